@@ -1,0 +1,37 @@
+"""vision_ckpt: activation checkpointing for vision models, driven by one number.
+
+Every checkpointable block carries a level 0-5; the run sets one training level; a block is
+checkpointed exactly when ``1 <= block level <= training level``.
+"""
+
+from ._core import (
+    checkpoint as checkpoint,
+    checkpoint_sequential as checkpoint_sequential,
+    is_recomputing as is_recomputing,
+    set_checkpoint_debug_enabled as set_checkpoint_debug_enabled,
+)
+from ._version import __version__ as __version__
+from .errors import (
+    CheckpointError as CheckpointError,
+    ConfigError as ConfigError,
+    LevelError as LevelError,
+    VisionCkptError as VisionCkptError,
+    VisionCkptInternalError as VisionCkptInternalError,
+)
+from .levels import Level as Level, is_checkpointed as is_checkpointed, parse_level as parse_level
+
+__all__ = [
+    "__version__",
+    "checkpoint",
+    "checkpoint_sequential",
+    "is_recomputing",
+    "set_checkpoint_debug_enabled",
+    "CheckpointError",
+    "ConfigError",
+    "LevelError",
+    "VisionCkptError",
+    "VisionCkptInternalError",
+    "Level",
+    "is_checkpointed",
+    "parse_level",
+]

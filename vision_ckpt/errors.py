@@ -1,0 +1,47 @@
+"""Exception types shared by every layer of vision_ckpt.
+
+User errors (bad input, bad config, a checkpointed function that behaves differently when it is
+recomputed) derive from :class:`VisionCkptError`. Broken internal invariants go through
+:func:`_internal_assert`, which raises :class:`VisionCkptInternalError`: that one means a bug in
+vision_ckpt, never in the caller's code.
+
+This module imports nothing from the package (nor torch), so every other module may import it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "VisionCkptError",
+    "CheckpointError",
+    "LevelError",
+    "ConfigError",
+    "VisionCkptInternalError",
+]
+
+
+class VisionCkptError(RuntimeError):
+    """Base class of every error vision_ckpt raises because of how it was used."""
+
+
+class CheckpointError(VisionCkptError):
+    """A checkpointed region cannot be recomputed faithfully (or was used in a way it cannot be)."""
+
+
+class LevelError(VisionCkptError, ValueError):
+    """A checkpoint level outside 0-5, or of the wrong type."""
+
+
+class ConfigError(VisionCkptError, ValueError):
+    """A checkpoint config, rule or preset that cannot be applied to the model at hand."""
+
+
+class VisionCkptInternalError(AssertionError):
+    """An invariant of vision_ckpt itself was broken: a bug in vision_ckpt, please report it."""
+
+
+def _internal_assert(cond: bool, what: str) -> None:
+    if not cond:
+        raise VisionCkptInternalError(
+            f"vision_ckpt internal error: {what}. This is a bug in vision_ckpt, not in your code; "
+            "please report it with the model and the call that triggered it."
+        )
