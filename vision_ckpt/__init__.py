@@ -11,6 +11,11 @@ from ._core import (
     set_checkpoint_debug_enabled as set_checkpoint_debug_enabled,
 )
 from ._version import __version__ as __version__
+from .config import (
+    CheckpointConfig as CheckpointConfig,
+    LevelRule as LevelRule,
+    SelectiveConfig as SelectiveConfig,
+)
 from .errors import (
     CheckpointError as CheckpointError,
     ConfigError as ConfigError,
@@ -34,4 +39,7 @@ __all__ = [
     "Level",
     "is_checkpointed",
     "parse_level",
+    "CheckpointConfig",
+    "LevelRule",
+    "SelectiveConfig",
 ]

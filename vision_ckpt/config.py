@@ -1,0 +1,482 @@
+"""The checkpoint config: which blocks of a model get which level, and how the run checkpoints.
+
+A config is data: it names modules by qualified-name globs or class names and gives each a level
+0-5 (see :class:`vision_ckpt.Level`); :func:`vision_ckpt.plan` turns it into the concrete list of
+modules for one model, and :func:`vision_ckpt.apply` installs it. Configs load from YAML or JSON
+files with :meth:`CheckpointConfig.from_file`, and :meth:`CheckpointConfig.json_schema` exports a
+JSON schema for editors.
+
+.. code-block:: yaml
+
+    training_checkpoint_level: 3
+    rules:                       # later rules win
+      - match: "blocks.*"        # * is one name component, ** any number
+        level: 3
+      - match_type: Mlp          # the module's class name
+        level: 2
+    nesting: all                 # all | outermost
+
+Every invalid value raises :class:`vision_ckpt.ConfigError` naming the key (``rules[1].level``),
+what was given and what is allowed. This module does not import torch, so tools can validate
+config files without it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from .errors import ConfigError, LevelError
+from .levels import Level, parse_level
+from .matching import compile_name_pattern, compile_type_pattern
+
+__all__ = ["CheckpointConfig", "LevelRule", "SelectiveConfig", "parse_memory_budget"]
+
+Nesting = Literal["all", "outermost"]
+
+_MEMORY_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_MEMORY_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*")
+_OP_RE = re.compile(r"[a-z_][a-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
+
+
+def parse_memory_budget(value: str | int) -> int:
+    """Bytes in a memory budget such as ``"6GiB"``, ``"512MB"`` or a plain integer of bytes.
+
+    Raises:
+        ConfigError: not a positive number followed by one of B, KB, MB, GB, TB, KiB, MiB,
+            GiB, TiB.
+
+    >>> parse_memory_budget("6GiB"), parse_memory_budget("1.5 GB"), parse_memory_budget(1024)
+    (6442450944, 1500000000, 1024)
+    """
+    if isinstance(value, bool):
+        pass
+    elif isinstance(value, int):
+        if value > 0:
+            return value
+    elif isinstance(value, str):
+        m = _MEMORY_RE.fullmatch(value)
+        if m is not None and m.group(2).lower() in _MEMORY_UNITS:
+            nbytes = int(float(m.group(1)) * _MEMORY_UNITS[m.group(2).lower()])
+            if nbytes > 0:
+                return nbytes
+    raise ConfigError(
+        f"memory budget {value!r} is not a memory size; write a positive number and a unit, "
+        "e.g. '6GiB' or '512MB' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
+        "or an integer number of bytes."
+    )
+
+
+def _level_value(value: object) -> Level:
+    try:
+        return parse_level(value, what="value")
+    except LevelError as exc:
+        raise ValueError(str(exc)) from None
+
+
+_LEVEL_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "integer", "minimum": 0, "maximum": 5},
+        {"type": "string", "enum": [name.lower() for name in Level.__members__]},
+    ],
+    "description": "A checkpoint level: 0-5, or a level name such as 'stage'.",
+}
+
+LevelValue = Annotated[Level, BeforeValidator(_level_value), WithJsonSchema(_LEVEL_SCHEMA)]
+"""A level field: accepts what ``parse_level`` accepts; the JSON schema lists 0-5 and the names."""
+
+
+class _Schema(BaseModel):
+    """Base of the config models: strict keys, field docstrings, and ConfigError on bad input."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+        frozen=True,
+    )
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _config_error(type(self), exc, source=None) from None
+
+    # Tell pydantic this __init__ only translates errors: nested models are then validated by
+    # pydantic itself, so one error lists every bad key of the whole config with its path.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> typing.Self:
+        try:
+            return super().model_validate(obj, *args, **kwargs)
+        except ValidationError as exc:
+            raise _config_error(cls, exc, source=None) from None
+
+
+class LevelRule(_Schema):
+    """One rule: the modules it selects and the level they get.
+
+    A rule selects modules by qualified name (``match``), by class (``match_type``), or by both
+    (then a module must satisfy both). Later rules win over earlier ones.
+
+    >>> LevelRule(match="blocks.*", level=3)
+    LevelRule(match='blocks.*', match_type=None, level=<Level.MEDIUM_MODULE: 3>)
+    >>> str(LevelRule(match_type="Mlp", level="block"))
+    "match_type='Mlp' level=2"
+    """
+
+    match: str | None = None
+    """Glob on the module's qualified name from ``named_modules()``: ``*`` is exactly one name
+    component, ``**`` any number of components (zero included), ``*``/``?`` inside a component
+    match characters; a ``re:`` prefix makes it a full-match regular expression."""
+
+    match_type: str | None = None
+    """The module's class name (``Block``), or its qualified name (``timm.layers.mlp.Mlp``) when
+    it contains a dot; ``*`` and ``?`` are wildcards. Subclasses do not match."""
+
+    level: LevelValue
+    """The level 0-5 (or its name, such as ``stage``) given to every selected module. 0 means
+    never checkpoint it, which is how a later rule excludes a module an earlier rule selected.
+    (This is the one field without a default: a rule without a level says nothing.)"""
+
+    @field_validator("match")
+    @classmethod
+    def _check_match(cls, value: str | None) -> str | None:
+        if value is not None:
+            _as_value_error(compile_name_pattern, value)
+        return value
+
+    @field_validator("match_type")
+    @classmethod
+    def _check_match_type(cls, value: str | None) -> str | None:
+        if value is not None:
+            _as_value_error(compile_type_pattern, value)
+        return value
+
+    @model_validator(mode="after")
+    def _needs_a_selector(self) -> LevelRule:
+        if self.match is None and self.match_type is None:
+            raise ValueError(
+                f"rule with level {int(self.level)} selects no module: give 'match' (a "
+                "qualified-name glob such as 'blocks.*') or 'match_type' (a class name such as "
+                "'Block'), or both"
+            )
+        return self
+
+    def __str__(self) -> str:
+        parts = []
+        if self.match is not None:
+            parts.append(f"match={self.match!r}")
+        if self.match_type is not None:
+            parts.append(f"match_type={self.match_type!r}")
+        parts.append(f"level={int(self.level)}")
+        return " ".join(parts)
+
+
+class SelectiveConfig(_Schema):
+    """Selective checkpointing: inside each checkpointed block, keep the outputs of some ops.
+
+    Built on ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: the outputs of the
+    listed ops are saved in forward and reused in backward; every other op is recomputed. Saving
+    the matmul/convolution outputs removes most of the recompute FLOPs for a part of the memory.
+
+    >>> SelectiveConfig(save_ops=["aten.mm", "aten.convolution"]).save_ops
+    ('aten.mm', 'aten.convolution')
+    """
+
+    save_ops: tuple[str, ...] = ()
+    """Operators whose outputs are saved, written ``namespace.op`` as in ``torch.ops``
+    (``aten.mm``, ``aten.convolution``, ``aten._scaled_dot_product_flash_attention``), optionally
+    with an overload (``aten.mm.default``). Names are resolved against torch when the config is
+    applied; an unknown name is an error then. Empty: recompute everything."""
+
+    @field_validator("save_ops")
+    @classmethod
+    def _check_ops(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [op for op in value if not _OP_RE.fullmatch(op)]
+        if bad:
+            raise ValueError(
+                f"operator names {bad} are not written 'namespace.op'; write them as in "
+                "torch.ops, e.g. 'aten.mm', 'aten.convolution' or 'aten.mm.default'"
+            )
+        return value
+
+
+class CheckpointConfig(_Schema):
+    """A checkpoint config: level rules for a model's modules and how to run the checkpoints.
+
+    >>> cfg = CheckpointConfig(
+    ...     training_checkpoint_level=3, rules=[{"match": "blocks.*", "level": 3}]
+    ... )
+    >>> cfg.rules[0].level, cfg.nesting
+    (<Level.MEDIUM_MODULE: 3>, 'all')
+    >>> CheckpointConfig(nesting="inner")
+    Traceback (most recent call last):
+    ...
+    vision_ckpt.errors.ConfigError: invalid checkpoint config:
+      nesting: got 'inner'; allowed: 'all', 'outermost'
+    """
+
+    training_checkpoint_level: (
+        Annotated[Level, WithJsonSchema(_LEVEL_SCHEMA)] | Literal["auto"] | None
+    ) = None
+    """The training level 0-5 of this run: modules whose level is between 1 and it are
+    checkpointed. ``null`` follows the global level (``vision_ckpt.set_training_level`` /
+    ``vision_ckpt.training_level``), which can change between steps. ``auto`` picks the level
+    that fits ``memory_budget`` (needs the profiler: see ``vision_ckpt.suggest_level``)."""
+
+    memory_budget: str | int | None = None
+    """Activation memory allowed to the run, for ``training_checkpoint_level: auto`` only:
+    a size such as ``6GiB`` or ``512MB``, or an integer number of bytes."""
+
+    preset: str | None = None
+    """Start from a preset's rules: a model family name (see ``vision_ckpt.list_presets``) or
+    ``auto`` to pick the preset from the model's class; ``rules`` below then override it."""
+
+    rules: tuple[LevelRule, ...] = ()
+    """Level rules, applied in order after the preset's: when several rules select a module, the
+    last one wins. Each rule must select at least one module of the model (see ``strict``)."""
+
+    nesting: Nesting = "all"
+    """How nested checkpointed modules behave. ``all``: every selected module whose level is at
+    most the training level is checkpointed, inner ones too (lowest peak memory, inner blocks are
+    recomputed once more). ``outermost``: only the outermost such module in each chain is
+    checkpointed (at most one extra forward per block)."""
+
+    preserve_rng_state: bool = True
+    """Stash and restore the RNG state around each checkpointed module, so that dropout and
+    drop-path draw the same masks when recomputed and gradients are exact. ``false`` saves a
+    little time when no checkpointed module uses randomness."""
+
+    selective: SelectiveConfig | None = None
+    """Selective checkpointing: save the outputs of the listed ops inside every checkpointed
+    module instead of recomputing them. ``null``: recompute everything."""
+
+    strict: bool = True
+    """When a rule selects no module of the model: ``true`` raises an error, ``false`` warns."""
+
+    @field_validator("training_checkpoint_level", mode="before")
+    @classmethod
+    def _parse_training_level(cls, value: object) -> object:
+        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return None if value is None else "auto"
+        try:
+            return _level_value(value)
+        except ValueError as exc:
+            raise ValueError(f"{exc} Or 'auto' together with memory_budget.") from None
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _check_budget(cls, value: str | int | None) -> str | int | None:
+        if value is not None:
+            _as_value_error(parse_memory_budget, value)
+        return value
+
+    @field_validator("preset")
+    @classmethod
+    def _check_preset(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(
+                f"preset {value!r} is empty; give a family name such as 'vit', or 'auto'"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _budget_goes_with_auto(self) -> CheckpointConfig:
+        auto = self.training_checkpoint_level == "auto"
+        if auto and self.memory_budget is None:
+            raise ValueError(
+                "training_checkpoint_level 'auto' needs memory_budget (e.g. memory_budget: "
+                "6GiB) to choose a level; set both, or give a level 0-5 instead"
+            )
+        if not auto and self.memory_budget is not None:
+            raise ValueError(
+                f"memory_budget {self.memory_budget!r} is only used with "
+                f"training_checkpoint_level: auto, but the level is "
+                f"{_show_level(self.training_checkpoint_level)}; set the level to auto or "
+                "remove memory_budget"
+            )
+        return self
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """``memory_budget`` in bytes, or ``None``.
+
+        >>> cfg = CheckpointConfig(training_checkpoint_level="auto", memory_budget="2KiB")
+        >>> cfg.memory_budget_bytes
+        2048
+        """
+        return None if self.memory_budget is None else parse_memory_budget(self.memory_budget)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> CheckpointConfig:
+        """Load and validate a config from a ``.yaml``, ``.yml`` or ``.json`` file.
+
+        Raises:
+            ConfigError: the file is missing, has another suffix, does not parse, or does not
+                validate; the message names the file and the offending keys.
+        """
+        path = Path(path)
+        suffix = path.suffix.lower()
+        if suffix not in (".yaml", ".yml", ".json"):
+            raise ConfigError(
+                f"config file {str(path)!r} has suffix {path.suffix!r}; allowed: .yaml, .yml, "
+                ".json. Rename it, or load it yourself and pass the dict to "
+                "CheckpointConfig.model_validate."
+            )
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist.") from None
+        try:
+            if suffix == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except (ValueError, ImportError) as exc:  # json.JSONDecodeError is a ValueError
+            raise ConfigError(f"config file {str(path)!r} does not parse: {exc}") from None
+        except Exception as exc:  # yaml.YAMLError has no common base with the above
+            raise ConfigError(f"config file {str(path)!r} does not parse as YAML: {exc}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"config file {str(path)!r} holds a {type(data).__name__}, expected a mapping "
+                f"of config keys ({', '.join(cls.model_fields)})."
+            )
+        try:
+            # pydantic's own model_validate, to name the file in the error ourselves.
+            return BaseModel.model_validate.__func__(cls, data)  # type: ignore[attr-defined]
+        except ValidationError as exc:
+            raise _config_error(cls, exc, source=str(path)) from None
+
+    @classmethod
+    def json_schema(cls) -> dict[str, Any]:
+        """The JSON schema of config files, for editors and validators.
+
+        >>> schema = CheckpointConfig.json_schema()
+        >>> schema["properties"]["nesting"]["enum"]
+        ['all', 'outermost']
+        """
+        schema = cls.model_json_schema()
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        return schema
+
+
+def _show_level(value: object) -> str:
+    if value is None:
+        return "null (follow the global training level)"
+    return f"{int(value)}" if isinstance(value, Level) else repr(value)
+
+
+def _as_value_error(check: typing.Callable[[Any], Any], value: Any) -> None:
+    """Run a check that raises ConfigError, turning that into the ValueError pydantic expects."""
+    try:
+        check(value)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The config model class that holds the key at ``loc`` (for listing its allowed keys)."""
+    cls: type[BaseModel] | None = root
+    for part in loc:
+        if isinstance(part, int) or cls is None:
+            continue
+        field = cls.model_fields.get(part)
+        if field is None:
+            return None
+        cls = _find_model(field.annotation)
+    return cls
+
+
+def _find_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _find_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _loc_str(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "config"
+
+
+def _describe(root: type[BaseModel], err: Any) -> str:
+    # pydantic adds the branch name of a union to the location (e.g. 'literal['auto']',
+    # 'function-before[...]'); those are not keys of the file, so drop them.
+    loc = tuple(p for p in err["loc"] if isinstance(p, int) or not re.search(r"[\[\]\-(]", str(p)))
+    kind = err["type"]
+    given = err.get("input")
+    if kind == "extra_forbidden":
+        owner = _model_at(root, loc[:-1])
+        allowed = list(owner.model_fields) if owner is not None else []
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        return (
+            f"{_loc_str(loc)}: unknown key {loc[-1]!r}; allowed keys: {', '.join(allowed)}.{hint}"
+        )
+    if kind in ("literal_error", "enum"):
+        expected = err.get("ctx", {}).get("expected", "")
+        allowed = ", ".join(re.findall(r"'[^']*'|\d+", expected)) or expected
+        return f"{_loc_str(loc)}: got {given!r}; allowed: {allowed}"
+    if kind == "missing":
+        return f"{_loc_str(loc)}: required key is missing"
+    if kind in ("tuple_type", "list_type"):
+        return f"{_loc_str(loc)}: expected a list, got {given!r}"
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+        return f"{_loc_str(loc)}: {msg}"
+    return f"{_loc_str(loc)}: {msg} (got {given!r})"
+
+
+def _config_error(root: type[BaseModel], exc: ValidationError, source: str | None) -> ConfigError:
+    lines: list[str] = []
+    for err in exc.errors():
+        line = _describe(root, err)
+        if line not in lines:
+            lines.append(line)
+    # A value that fails a union is reported once per branch; when one branch's message
+    # already explains the problem in our words, the generic ones add nothing.
+    specific = [ln for ln in lines if "allowed:" in ln or "unknown key" in ln]
+    kept = [
+        ln
+        for ln in lines
+        if ln in specific or not any(s.split(":", 1)[0] == ln.split(":", 1)[0] for s in specific)
+    ]
+    where = f" (from {source})" if source else ""
+    name = "checkpoint config" if root is CheckpointConfig else f"{root.__name__}"
+    return ConfigError(f"invalid {name}{where}:\n  " + "\n  ".join(kept))
