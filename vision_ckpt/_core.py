@@ -1,10 +1,38 @@
-"""TEMPORARY stand-in: delegates to torch until the bundled core lands (being written now)."""
+"""The bundled non-reentrant activation checkpoint.
+
+``checkpoint(fn, *args, **kwargs)`` runs ``fn`` without keeping the tensors autograd would save
+for backward; backward recomputes them, only as far as it needs, and frees each one as soon as it
+is used. It is a drop-in for ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``
+built directly on saved-tensor hooks, and it knows nothing about levels: the wrapper and the plan
+layers above decide *what* is checkpointed, this module only does it.
+
+Where it differs from torch's implementation, it does so on purpose:
+
+* BatchNorm running statistics are not updated a second time by the recomputation
+  (see NOTE [ Stateful modules during recomputation ]);
+* lists, tuples and dicts passed as arguments are captured as they are at call time, so a caller
+  that keeps appending to its list (DenseNet's feature list) does not change what is recomputed
+  (see NOTE [ Inputs are captured at call time ]);
+* meta tensors never touch an RNG or autocast device module;
+* errors name the region (function or module) that failed and say how to fix it;
+* the per-call bookkeeping is small: nothing is captured that the call does not need.
+"""
 
 from __future__ import annotations
 
-import torch.utils.checkpoint as _tc
+import contextlib
+import itertools
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from .errors import CheckpointError
+import torch
+import torch.utils.checkpoint as _torch_ckpt
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .errors import CheckpointError, _internal_assert
 
 __all__ = [
     "checkpoint",
@@ -14,17 +42,900 @@ __all__ = [
     "CheckpointError",
 ]
 
+try:  # torch >= 2.11 exposes a way to create a standalone SavedVariable.
+    from torch._C._autograd import _make_saved_tensor
+except ImportError:  # pragma: no cover - exercised only on older torch
+    _make_saved_tensor = None
 
-def checkpoint(function, *args, use_reentrant=None, **kwargs):
-    return _tc.checkpoint(function, *args, use_reentrant=False, **kwargs)
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_graph_task_id = torch._C._current_graph_task_id
+_get_exec_group = getattr(torch._C, "_get_graph_exec_group", None)
+_BatchNorm = torch.nn.modules.batchnorm._BatchNorm
+
+_DETERMINISM_CHECKS = ("default", "none")
+_FIX_TIP = (
+    "If the region is deliberately data-dependent, pass determinism_check='none'; to see the "
+    "operators of both runs, pass debug=True (or wrap the code in "
+    "`with vision_ckpt.set_checkpoint_debug_enabled(True):`)."
+)
 
 
-def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwargs):
-    return _tc.checkpoint_sequential(functions, segments, input, use_reentrant=False, **kwargs)
+class _ThreadState(threading.local):
+    """Per-thread bookkeeping. Autograd may run backward on its own threads (one per device)."""
+
+    region_depth = 0  # checkpointed regions running forward or recomputation on this thread
+    recompute_depth = 0  # recomputations running on this thread
+    bn_stash: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] | None = None
+
+
+_state = _ThreadState()
+_debug_enabled: bool | None = None
+_anonymous_graph_ids = itertools.count(-2, -1)
 
 
 def is_recomputing() -> bool:
-    return False
+    """True while a checkpointed region is being recomputed for backward on this thread.
+
+    Forward hooks, logging and metrics can use it to skip the second run of a region.
+
+    >>> import torch, vision_ckpt
+    >>> seen = []
+    >>> def f(x):
+    ...     seen.append(vision_ckpt.is_recomputing())
+    ...     return x.sin().sin()
+    >>> vision_ckpt.checkpoint(f, torch.ones(2, requires_grad=True)).sum().backward()
+    >>> seen
+    [False, True]
+    """
+    return _state.recompute_depth > 0
 
 
-set_checkpoint_debug_enabled = _tc.set_checkpoint_debug_enabled
+def _region_depth() -> int:
+    """Checkpointed regions currently running (forward or recomputation) on this thread.
+
+    A recomputation starts from depth 1, as if no other region were active, so a decision
+    taken from this number is the same in the original forward and in the recomputation.
+    """
+    return _state.region_depth
+
+
+@contextlib.contextmanager
+def set_checkpoint_debug_enabled(enabled: bool | None) -> Iterator[None]:
+    """Force ``debug`` on (True) or off (False) for every checkpoint started inside the block.
+
+    ``None`` restores the per-call ``debug=`` argument. Only the forward needs to run inside
+    the block: the region remembers its setting until backward.
+
+    >>> import torch, vision_ckpt
+    >>> with vision_ckpt.set_checkpoint_debug_enabled(True):
+    ...     y = vision_ckpt.checkpoint(torch.sin, torch.ones(2, requires_grad=True))
+    """
+    global _debug_enabled
+    previous = _debug_enabled
+    _debug_enabled = enabled
+    try:
+        yield
+    finally:
+        _debug_enabled = previous
+
+
+class _StopRecomputation(BaseException):
+    """Raised from the recomputation's pack hook once every needed tensor is back.
+
+    A BaseException, so that ``except Exception`` inside user code cannot swallow it.
+    """
+
+
+# NOTE [ Pack/unpack lifetime ]
+#
+# In the original forward every tensor autograd wants to save is replaced by an empty _Holder;
+# the frame keeps only a weak reference to it, in save order. The holder lives exactly as long
+# as the SavedVariable of the graph that owns it.
+#
+# Backward asks for a holder (unpack). The first unpack of a frame within one graph task
+# recomputes the region once; the recomputation's pack hook walks the holders in the same
+# order and puts the recomputed tensor into the holder's slot for that graph task -- only if
+# the holder is still alive (a holder whose part of the graph was already freed is skipped).
+# Each unpack takes its tensor out of the slot, so a recomputed tensor is freed as soon as the
+# node that needed it has used it, even with retain_graph=True. A second backward over a
+# retained graph is a new graph task and recomputes again.
+#
+# Invariants:
+#   1. holders[i] of a frame corresponds to the i-th tensor saved inside the region, in the
+#      forward and in every recomputation (checked by the determinism check);
+#   2. a slot is filled at most once per graph task and emptied by its unpack;
+#   3. nothing but holders is kept from the forward; the frame does not own the holders.
+
+
+class _Holder:
+    __slots__ = ("slots", "__weakref__")
+
+    def __init__(self) -> None:
+        self.slots: dict[int, torch.Tensor] | None = None
+
+
+# NOTE [ Nested checkpoints ]
+#
+# A region's inputs are kept as SavedVariables created while the *enclosing* hooks are active.
+# When a checkpoint runs inside another one, its inputs are therefore holders of the outer
+# region: to rebuild them, backward recomputes the outer region first. Tensors saved inside the
+# inner region belong to the inner region only. So unpacking any tensor recomputes exactly the
+# regions that enclosed it, outermost first, each once per graph task.
+#
+# A recomputation runs as if no other region were active (region depth restarts at 1), and
+# checkpoints met while recomputing are honoured like in the forward, so both runs save the
+# same tensors in the same order.
+
+
+class _Frame:
+    """Everything one call of ``checkpoint`` needs to recompute its region later.
+
+    The frame object is itself the forward pack hook (``__call__``), and ``unpack`` its unpack
+    hook. ``_checkpoint_internal`` and ``_user_hooks`` follow the attribute protocol torch's
+    selective-checkpoint modes use to tell checkpoint hooks apart from a user's own
+    ``saved_tensors_hooks`` (such as ``save_on_cpu``).
+    """
+
+    _checkpoint_internal = True
+
+    __slots__ = (
+        "fn",
+        "args",
+        "kwargs",
+        "spec",
+        "leaves",
+        "tensor_pos",
+        "saved",
+        "holders",
+        "metas",
+        "early_stop",
+        "rng",
+        "batchnorms",
+        "autocast",
+        "recompute_ctx",
+        "device_ctx",
+        "done",
+        "forward_done",
+        "ignore_count",
+        "logs",
+        "_user_hooks",
+        "__weakref__",
+    )
+
+    def __call__(self, x: torch.Tensor) -> _Holder:  # pack hook of the original forward
+        holder = _Holder()
+        self.holders.append(weakref.ref(holder))
+        metas = self.metas
+        if metas is not None:
+            metas.append((x.shape, x.dtype, x.device))
+        return holder
+
+    def unpack(self, holder: _Holder) -> torch.Tensor:
+        gid = _current_graph_id()
+        if gid not in self.done:
+            _recompute(self, gid)
+        slots = holder.slots
+        tensor = None if slots is None else slots.pop(gid, None)
+        if tensor is None:
+            raise CheckpointError(
+                f"vision_ckpt.checkpoint: in region {_region_name(self.fn)}, backward asked for "
+                "a saved tensor that this backward pass already used, or that the "
+                "recomputation did not produce. A custom autograd.Function must read "
+                "ctx.saved_tensors only once per backward; if the region saves fewer tensors "
+                f"when recomputed, make it deterministic. {_FIX_TIP}"
+            )
+        return tensor
+
+    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        tensors = [s.unpack() for s in self.saved] if self.saved else []
+        if self.spec is None:
+            if not tensors:
+                return self.args, self.kwargs
+            args = list(self.args)
+            for pos, t in zip(self.tensor_pos, tensors, strict=True):
+                args[pos] = t
+            return tuple(args), self.kwargs
+        leaves = list(self.leaves)
+        for pos, t in zip(self.tensor_pos, tensors, strict=True):
+            leaves[pos] = t
+        return tree_unflatten(leaves, self.spec)
+
+
+def _current_graph_id() -> int:
+    group = _get_exec_group() if _get_exec_group is not None else None
+    if group is not None:
+        return id(group)
+    gid = _graph_task_id()
+    if gid == -1:  # unpacked outside of a backward pass: every such access recomputes
+        gid = next(_anonymous_graph_ids)
+    return gid
+
+
+class _RecomputePack:
+    """Pack hook active while a frame is recomputed for one graph task."""
+
+    _checkpoint_internal = True
+    __slots__ = ("frame", "gid", "count", "expected", "_user_hooks")
+
+    def __init__(self, frame: _Frame, gid: int) -> None:
+        self.frame = frame
+        self.gid = gid
+        self.count = 0
+        self.expected = len(frame.holders)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        frame = self.frame
+        index = self.count
+        self.count = index + 1
+        if index >= self.expected:
+            if not frame.forward_done:
+                # A backward inside the region's own forward: the region has not finished
+                # saving yet, so more tensors than known so far is expected.
+                frame.ignore_count = True
+                return x
+            raise CheckpointError(
+                f"vision_ckpt.checkpoint: region {_region_name(frame.fn)} saved more tensors "
+                f"for backward when recomputed than in its original forward ({self.expected}). "
+                f"The region ran different operations the second time. {_FIX_TIP}"
+            )
+        holder = frame.holders[index]()
+        if holder is not None:
+            slots = holder.slots
+            if slots is None:
+                holder.slots = slots = {}
+            _internal_assert(self.gid not in slots, "a holder was filled twice in one backward")
+            slots[self.gid] = x.detach() if x.requires_grad else x
+        if frame.early_stop and index + 1 == self.expected:
+            raise _StopRecomputation
+        return x
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+# NOTE [ RNG state ]
+#
+# Dropout and drop-path draw from the generators. The recomputation must draw exactly what the
+# forward drew, so the forward stashes the CPU generator state, and the state of every
+# accelerator device that a tensor argument lives on (only if that device's runtime is already
+# initialised: stashing must never initialise CUDA). The recomputation installs the stashed
+# states, runs, and puts back the states it found, so the RNG stream seen by the rest of the
+# program is the same whether or not a region was recomputed. Meta tensors have no generator
+# and are skipped. As with torch, RNG use on a device that no tensor argument lives on is not
+# preserved.
+
+
+def _stash_rng(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[Any, int, Any]]]:
+    devices: list[tuple[str, int]] = []
+    for t in tensors:
+        if t.is_cpu or t.is_meta:
+            continue
+        dev = t.device
+        key = (dev.type, dev.index if dev.index is not None else 0)
+        if key not in devices:
+            devices.append(key)
+    device_states = []
+    for dtype_name, index in devices:
+        module = getattr(torch, dtype_name, None)
+        if module is None or not getattr(module, "is_initialized", lambda: False)():
+            continue
+        device_states.append((module, index, module.get_rng_state(index)))
+    return torch.get_rng_state(), device_states
+
+
+def _swap_rng(
+    rng: tuple[torch.Tensor, list[tuple[Any, int, Any]]],
+) -> tuple[torch.Tensor, list[tuple[Any, int, Any]]]:
+    """Install the given RNG states; returns the states that were current, to swap back later."""
+    cpu_state, device_states = rng
+    current = torch.get_rng_state(), [(m, i, m.get_rng_state(i)) for m, i, _ in device_states]
+    torch.set_rng_state(cpu_state)
+    for module, index, state in device_states:
+        module.set_rng_state(state, index)
+    return current
+
+
+def _accelerator_type(tensors: list[torch.Tensor]) -> str:
+    for t in tensors:
+        if not (t.is_cpu or t.is_meta):
+            return t.device.type
+    return "cuda"
+
+
+def _capture_autocast(device_type: str) -> tuple[Any, ...] | None:
+    """Autocast state at call time; None when autocast is off on both CPU and the accelerator."""
+    cpu_on = torch.is_autocast_enabled("cpu")
+    dev_on = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    if not cpu_on and not dev_on:
+        return None
+    return (
+        device_type,
+        cpu_on,
+        torch.get_autocast_dtype("cpu"),
+        dev_on,
+        torch.get_autocast_dtype(device_type) if dev_on else None,
+        torch.is_autocast_cache_enabled(),
+    )
+
+
+def _autocast_contexts(state: tuple[Any, ...] | None, device_type: str, out: list[Any]) -> None:
+    """Re-enter the call-time autocast state (also switching off autocast active at backward)."""
+    if state is None:
+        for kind in ("cpu", device_type):
+            if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+                out.append(torch.autocast(kind, enabled=False))
+        return
+    kind, cpu_on, cpu_dtype, dev_on, dev_dtype, cache = state
+    out.append(torch.autocast("cpu", dtype=cpu_dtype, enabled=cpu_on, cache_enabled=cache))
+    if torch.amp.is_autocast_available(kind):
+        if dev_on:
+            out.append(torch.autocast(kind, dtype=dev_dtype, enabled=True, cache_enabled=cache))
+        elif torch.is_autocast_enabled(kind):
+            out.append(torch.autocast(kind, enabled=False))
+
+
+# NOTE [ Stateful modules during recomputation ]
+#
+# Recomputing a region runs its modules' forward a second time. For BatchNorm in training mode
+# that forward also updates running_mean, running_var and num_batches_tracked, so a plain
+# recomputation counts every batch twice. During a recomputation each training-mode BatchNorm of
+# the region therefore works on fresh copies of its running buffers, and the originals are put
+# back when the recomputation ends (also when it stops early or raises): the recomputed
+# normalisation, which uses batch statistics in training mode, is unchanged, and the real
+# buffers are updated exactly once, by the original forward.
+#
+# Which BatchNorms belong to the region: when the region is a module (or a bound method of one,
+# or carries ``__vision_ckpt_module__``), its BatchNorm submodules, found once at forward time.
+# For any other callable the region's modules are unknown, so while such a recomputation runs a
+# global forward pre-hook swaps the buffers of every training-mode BatchNorm it meets on this
+# thread and the matching forward hook swaps them back. The global hooks exist only while such a
+# recomputation runs, so ordinary forwards keep torch's fast module-call path.
+
+_BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+_UNKNOWN_MODULES: list[torch.nn.Module] = []  # sentinel: the region's modules are not known
+
+
+def _region_batchnorms(fn: Any) -> list[torch.nn.Module]:
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    if not isinstance(module, torch.nn.Module):
+        module = getattr(fn, "__vision_ckpt_module__", None)
+        if not isinstance(module, torch.nn.Module):
+            return _UNKNOWN_MODULES
+    found: list[torch.nn.Module] = [module] if isinstance(module, _BatchNorm) else []
+    _collect_batchnorms(module, found)
+    return found
+
+
+def _collect_batchnorms(module: torch.nn.Module, found: list[torch.nn.Module]) -> None:
+    # A plain walk over _modules: named_modules() builds prefix strings we do not need.
+    for child in module._modules.values():
+        if child is not None:
+            if isinstance(child, _BatchNorm):
+                found.append(child)
+            _collect_batchnorms(child, found)
+
+
+def _swap_in_copies(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    if not (module.training and module.track_running_stats):
+        return None
+    buffers = module._buffers
+    originals = {k: buffers[k] for k in _BN_BUFFERS if buffers.get(k) is not None}
+    for name, tensor in originals.items():
+        buffers[name] = tensor.clone()
+    return originals
+
+
+def _bn_pre_hook(module: torch.nn.Module, args: Any) -> None:
+    if _state.recompute_depth and isinstance(module, _BatchNorm):
+        originals = _swap_in_copies(module)
+        if originals is not None:
+            stash = _state.bn_stash
+            _internal_assert(stash is not None, "BatchNorm stash missing during recomputation")
+            stash.append((module, originals))
+
+
+def _bn_post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+    stash = _state.bn_stash
+    if _state.recompute_depth and stash and isinstance(module, _BatchNorm):
+        for i in range(len(stash) - 1, -1, -1):
+            if stash[i][0] is module:
+                module._buffers.update(stash.pop(i)[1])
+                break
+
+
+_bn_handles: list[Any] = []
+_bn_users = 0
+_bn_lock = threading.Lock()
+
+
+def _enter_bn_guard(batchnorms: list[torch.nn.Module]) -> int:
+    """Swap BatchNorm buffers for copies; returns the stash mark to pass to ``_exit_bn_guard``."""
+    global _bn_users
+    stash = _state.bn_stash
+    if stash is None:
+        stash = _state.bn_stash = []
+    mark = len(stash)
+    if batchnorms is _UNKNOWN_MODULES:
+        with _bn_lock:
+            _bn_users += 1
+            if _bn_users == 1:
+                register = torch.nn.modules.module
+                _bn_handles.append(register.register_module_forward_pre_hook(_bn_pre_hook))
+                _bn_handles.append(register.register_module_forward_hook(_bn_post_hook))
+    else:
+        for module in batchnorms:
+            originals = _swap_in_copies(module)
+            if originals is not None:
+                stash.append((module, originals))
+    return mark
+
+
+def _exit_bn_guard(batchnorms: list[torch.nn.Module], mark: int) -> None:
+    global _bn_users
+    stash = _state.bn_stash
+    while len(stash) > mark:
+        module, originals = stash.pop()
+        module._buffers.update(originals)
+    if batchnorms is _UNKNOWN_MODULES:
+        with _bn_lock:
+            _bn_users -= 1
+            if _bn_users == 0:
+                for handle in _bn_handles:
+                    handle.remove()
+                _bn_handles.clear()
+
+
+def _recompute(frame: _Frame, gid: int) -> None:
+    args, kwargs = frame.inputs()
+    pack = _RecomputePack(frame, gid)
+    state = _state
+    outer_depth = state.region_depth
+    grad_was_enabled = torch.is_grad_enabled()
+    contexts = _recompute_contexts(frame)
+    stack = contextlib.ExitStack() if contexts else None
+    rng_now = _swap_rng(frame.rng) if frame.rng is not None else None
+    try:
+        if stack is not None:
+            for ctx in contexts:
+                stack.enter_context(ctx)
+        mark = _enter_bn_guard(frame.batchnorms)
+        torch._C._set_grad_enabled(True)
+        state.region_depth = 1  # see NOTE [ Nested checkpoints ]
+        state.recompute_depth += 1
+        pack._user_hooks = _user_saved_tensors_hooks()
+        _push_hooks(pack, _identity)
+        try:
+            frame.fn(*args, **kwargs)
+        except _StopRecomputation:
+            pass
+        finally:
+            _pop_hooks()
+            del pack._user_hooks
+            state.recompute_depth -= 1
+            state.region_depth = outer_depth
+            torch._C._set_grad_enabled(grad_was_enabled)
+            _exit_bn_guard(frame.batchnorms, mark)
+    finally:
+        if stack is not None:
+            stack.close()
+        if rng_now is not None:
+            _swap_rng(rng_now)
+    frame.done.add(gid)
+    _check_recomputed(frame, pack)
+
+
+def _recompute_contexts(frame: _Frame) -> list[Any]:
+    contexts: list[Any] = []
+    device_type = frame.autocast[0] if frame.autocast is not None else "cuda"
+    _autocast_contexts(frame.autocast, device_type, contexts)
+    if frame.device_ctx is not None:
+        contexts.append(torch.device(frame.device_ctx))
+    if frame.recompute_ctx is not None:
+        contexts.append(frame.recompute_ctx)
+    return contexts
+
+
+def _check_recomputed(frame: _Frame, pack: _RecomputePack) -> None:
+    if frame.metas is None or frame.ignore_count:
+        return
+    try:
+        if pack.count != pack.expected:
+            raise CheckpointError(
+                f"vision_ckpt.checkpoint: region {_region_name(frame.fn)} saved {pack.expected} "
+                f"tensors for backward in its original forward but {pack.count} when recomputed "
+                f"for backward. The region ran different operations the second time. {_FIX_TIP}"
+            )
+        differences = []
+        for index, ref in enumerate(frame.holders):
+            holder = ref()
+            if holder is None or not holder.slots or pack.gid not in holder.slots:
+                continue
+            x = holder.slots[pack.gid]
+            now = (x.shape, x.dtype, x.device)
+            before = frame.metas[index]
+            if now != before:
+                differences.append(_describe_difference(index, before, now))
+        if differences:
+            raise CheckpointError(
+                f"vision_ckpt.checkpoint: region {_region_name(frame.fn)} recomputed tensors "
+                "that differ from the ones its original forward saved:\n  "
+                + "\n  ".join(differences)
+                + f"\n{_FIX_TIP}"
+            )
+    except CheckpointError as error:
+        if frame.logs is not None:
+            raise CheckpointError(f"{error}\n\n{frame.logs.report()}") from None
+        raise
+
+
+def _describe_difference(index: int, before: tuple[Any, ...], now: tuple[Any, ...]) -> str:
+    parts = []
+    for label, a, b in zip(("shape", "dtype", "device"), before, now, strict=True):
+        if a != b:
+            a_text = tuple(a) if label == "shape" else a
+            b_text = tuple(b) if label == "shape" else b
+            parts.append(f"{label} {a_text} in the forward but {b_text} when recomputed")
+    return f"saved tensor #{index}: " + ", ".join(parts)
+
+
+def _region_name(fn: Any) -> str:
+    """A human name for a checkpointed callable: ``__vision_ckpt_region__`` if set, else derived."""
+    name = getattr(fn, "__vision_ckpt_region__", None)
+    if isinstance(name, str):
+        return repr(name)
+    if isinstance(fn, torch.nn.Module):
+        return f"'{type(fn).__name__}' (module)"
+    inner = getattr(fn, "func", None)  # functools.partial
+    if inner is not None and callable(inner):
+        return _region_name(inner)
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return f"'{type(owner).__name__}.{getattr(fn, '__name__', 'forward')}'"
+    return repr(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn))
+
+
+def _user_saved_tensors_hooks() -> Any:
+    """The saved-tensor hooks a user installed below us, skipping checkpoint-internal hooks."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
+        hooks = getattr(hooks[0], "_user_hooks", None)
+    return hooks
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every operator with its output shapes and the user code line that ran it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.detach.default:  # the recomputation detaches what it stores
+            return out
+        shapes = [tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.lines.append(f"{func} -> {shapes}  [{_user_frame()}]")
+        return out
+
+
+def _user_frame() -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "/torch/" not in path and not path.endswith("vision_ckpt/_core.py"):
+            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+class _DebugLogs:
+    def __init__(self) -> None:
+        self.forward = _OpLog()
+        self.recompute = _OpLog()
+
+    def report(self) -> str:
+        fwd, rec = self.forward.lines, self.recompute.lines
+        first = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(fwd, rec, strict=False))
+                if a.split("  [")[0] != b.split("  [")[0]
+            ),
+            min(len(fwd), len(rec)),
+        )
+
+        def block(lines: list[str]) -> str:
+            return "\n".join(f"  {i:4d}  {line}" for i, line in enumerate(lines)) or "  (none)"
+
+        return (
+            "debug=True: operators of both runs (the recomputation may stop early once it has "
+            f"every saved tensor back); they first differ at operator #{first}.\n"
+            f"Operators run in the original forward ({len(fwd)}):\n{block(fwd)}\n"
+            f"Operators run in the recomputation ({len(rec)}):\n{block(rec)}"
+        )
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Run ``function(*args, **kwargs)`` without keeping its activations for backward.
+
+    Backward recomputes the region (with the RNG and autocast state of the original call) only as
+    far as it needs, and frees each recomputed tensor once used. Outputs and gradients are exactly
+    those of the plain call. Same semantics as
+    ``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, ...)``.
+
+    Args:
+        function: the region: any callable, typically an ``nn.Module`` or a block's method.
+        *args: positional arguments; tensors may also sit inside (nested) lists, tuples and
+            dicts, which are captured as they are at call time.
+        use_reentrant: accepted for drop-in compatibility; only ``False``/``None`` are supported.
+        preserve_rng_state: stash and restore the RNG state so dropout and drop-path draw the same
+            values when recomputed. ``False`` saves a little time for regions without randomness.
+        context_fn: returns two context managers, entered around the forward and around the
+            recomputation (e.g. ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+        determinism_check: ``"default"`` compares shape, dtype and device of every recomputed
+            tensor with the forward's; ``"none"`` skips that check.
+        debug: record the operators of both runs and add them to any ``CheckpointError``.
+        early_stop: stop the recomputation as soon as every saved tensor is back.
+        **kwargs: keyword arguments for ``function``.
+
+    Returns:
+        Whatever ``function`` returns.
+
+    Raises:
+        CheckpointError: the recomputation saved different tensors than the forward.
+        ValueError: an unsupported ``use_reentrant`` or ``determinism_check``.
+
+    >>> import torch, vision_ckpt
+    >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    >>> x = torch.randn(4, 8, requires_grad=True)
+    >>> y = vision_ckpt.checkpoint(block, x)
+    >>> y.sum().backward()
+    >>> x.grad.shape
+    torch.Size([4, 8])
+    """
+    if torch.compiler.is_compiling() or _proxy_tracing():
+        # Under torch.compile / export tracing, hand the region to torch's own non-reentrant
+        # checkpoint, which dynamo and AOTAutograd understand as a higher-order op.
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
+        return _torch_ckpt.checkpoint(
+            function,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=preserve_rng_state,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
+            **kwargs,
+        )
+    if use_reentrant:
+        raise ValueError(
+            "vision_ckpt.checkpoint is the non-reentrant checkpoint; got use_reentrant=True. "
+            "Pass use_reentrant=False (or leave it out), or call "
+            "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) for the reentrant variant."
+        )
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise ValueError(
+            f"vision_ckpt.checkpoint: determinism_check={determinism_check!r} is not supported; "
+            f"expected one of {list(_DETERMINISM_CHECKS)}."
+        )
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+
+    frame = _Frame()
+    frame.fn = function
+    # NOTE [ Inputs are captured at call time ]
+    # Tensor arguments are kept as SavedVariables (so enclosing regions and user hooks see them,
+    # and in-place changes after the call are detected), and every list/tuple/dict around them is
+    # flattened now and rebuilt for the recomputation. A container the caller mutates after the
+    # call (DenseNet appends each new feature map to the list it passed) thus cannot change what
+    # the recomputation sees. Plain positional arguments skip the flattening.
+    tensors: list[torch.Tensor]
+    simple = not kwargs
+    if simple:
+        for a in args:
+            if isinstance(a, (list, tuple, dict)):
+                simple = False
+                break
+    if simple:
+        frame.spec = None
+        frame.args = args
+        frame.kwargs = {}
+        frame.tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        tensors = [args[i] for i in frame.tensor_pos]
+        if tensors:
+            rest = list(args)
+            for i in frame.tensor_pos:
+                rest[i] = None
+            frame.args = tuple(rest)
+    else:
+        leaves, frame.spec = tree_flatten((args, kwargs))
+        frame.tensor_pos = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
+        tensors = [leaves[i] for i in frame.tensor_pos]
+        for i in frame.tensor_pos:
+            leaves[i] = None
+        frame.leaves = leaves
+
+    debug_on = _debug_enabled if _debug_enabled is not None else debug
+    frame.holders = []
+    frame.metas = [] if determinism_check == "default" else None
+    frame.early_stop = early_stop
+    frame.done = set()
+    frame.forward_done = False
+    frame.ignore_count = False
+
+    device_type = _accelerator_type(tensors) if tensors else "cuda"
+    frame.autocast = _capture_autocast(device_type)
+    cuda_was_initialized = getattr(torch.cuda, "_initialized", False)
+    frame.rng = _stash_rng(tensors) if preserve_rng_state else None
+    frame.batchnorms = _region_batchnorms(function)
+    frame.device_ctx = _default_device() if torch._C._len_torch_function_stack() else None
+
+    forward_ctx = recompute_ctx = None
+    if context_fn is not None:
+        forward_ctx, recompute_ctx = context_fn()
+    frame.logs = None
+    if debug_on:
+        frame.logs = _DebugLogs()
+        forward_ctx = _stacked(frame.logs.forward, forward_ctx)
+        recompute_ctx = _stacked(frame.logs.recompute, recompute_ctx)
+    frame.recompute_ctx = recompute_ctx
+
+    if _make_saved_tensor is not None:
+        frame.saved = [_make_saved_tensor(t, is_output=False) for t in tensors]
+    else:  # pragma: no cover
+        frame.saved = _save_with_function(tensors)
+
+    state = _state
+    state.region_depth += 1
+    frame._user_hooks = _user_saved_tensors_hooks()
+    _push_hooks(frame, frame.unpack)
+    finished = False
+    try:
+        if forward_ctx is None:
+            out = function(*args, **kwargs)
+        else:
+            with forward_ctx:
+                out = function(*args, **kwargs)
+        finished = True
+    finally:
+        _pop_hooks()
+        del frame._user_hooks
+        state.region_depth -= 1
+    if not finished:  # the forward context swallowed an exception raised by the region
+        raise CheckpointError(
+            f"vision_ckpt.checkpoint: the forward context from context_fn suppressed an exception "
+            f"raised inside region {_region_name(function)}; checkpoint has no output to return. "
+            "Let the exception propagate from the context manager."
+        )
+    frame.forward_done = True
+    if (
+        preserve_rng_state
+        and not cuda_was_initialized
+        and getattr(torch.cuda, "_initialized", False)
+    ):
+        raise CheckpointError(
+            f"vision_ckpt.checkpoint: region {_region_name(function)} initialised CUDA during its "
+            "forward, so its CUDA RNG state could not be stashed for the recomputation. "
+            "Initialise CUDA before the call (e.g. move the inputs to the GPU first), or pass "
+            "preserve_rng_state=False if the region draws no random numbers on the GPU."
+        )
+    return out
+
+
+def _proxy_tracing() -> bool:
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
+def _default_device() -> torch.device | None:
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    return None
+
+
+@contextlib.contextmanager
+def _stacked(first: Any, second: Any) -> Iterator[None]:
+    with first:
+        if second is None:
+            yield
+        else:
+            with second:
+                yield
+
+
+class _SaveInputs(torch.autograd.Function):  # pragma: no cover - older torch only
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return dummy.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return (None,) * (1 + len(ctx.saved_tensors))
+
+
+class _SavedViaNode:  # pragma: no cover - older torch only
+    __slots__ = ("node", "index")
+
+    def __init__(self, node: Any, index: int) -> None:
+        self.node = node
+        self.index = index
+
+    def unpack(self) -> torch.Tensor:
+        return self.node.saved_tensors[self.index]
+
+
+def _save_with_function(tensors: list[torch.Tensor]) -> list[Any]:  # pragma: no cover
+    if not tensors:
+        return []
+    dummy = torch.empty(0, requires_grad=True)
+    node = _SaveInputs.apply(dummy, *tensors).grad_fn
+    return [_SavedViaNode(node, i) for i in range(len(tensors))]
+
+
+def checkpoint_sequential(
+    functions: torch.nn.Sequential | list[Callable[..., Any]],
+    segments: int,
+    input: Any,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run a sequence of modules in ``segments`` chunks, checkpointing all but the last chunk.
+
+    Same semantics as ``torch.utils.checkpoint.checkpoint_sequential``: the last segment runs
+    normally because its activations are needed right away by backward.
+
+    Args:
+        functions: an ``nn.Sequential`` or a list of callables applied one after the other.
+        segments: number of chunks, between 1 and the number of functions.
+        input: the input of the first function.
+        use_reentrant: only ``False``/``None`` are supported.
+        **kwargs: passed to :func:`checkpoint` (``preserve_rng_state``, ``context_fn``, ...).
+
+    >>> import torch, vision_ckpt
+    >>> seq = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+    >>> x = torch.randn(2, 4, requires_grad=True)
+    >>> vision_ckpt.checkpoint_sequential(seq, 3, x).shape
+    torch.Size([2, 4])
+    """
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+    functions = list(functions)
+    count = len(functions)
+    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= count:
+        raise ValueError(
+            f"vision_ckpt.checkpoint_sequential: segments={segments!r} is not valid for "
+            f"{count} functions; expected an integer from 1 to {count}."
+        )
+
+    def run(start: int, end: int) -> Callable[[Any], Any]:
+        def forward(x: Any) -> Any:
+            for fn in functions[start : end + 1]:
+                x = fn(x)
+            return x
+
+        forward.__qualname__ = f"checkpoint_sequential[{start}:{end + 1}]"
+        return forward
+
+    size = count // segments
+    end = -1
+    for start in range(0, size * (segments - 1), size):
+        end = start + size - 1
+        input = checkpoint(run(start, end), input, use_reentrant=use_reentrant, **kwargs)
+    return run(end + 1, count - 1)(input)
