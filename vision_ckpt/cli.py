@@ -13,7 +13,7 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vision-ckpt",
-        description="Activation checkpointing for vision models: block levels 0-5, one training level.",
+        description="Activation checkpointing for vision models: levels 0-5, one training level.",
     )
     parser.add_argument("--version", action="version", version=f"vision-ckpt {__version__}")
     return parser
