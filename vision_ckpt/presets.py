@@ -1,0 +1,662 @@
+"""Presets: ready-made level rules for model families, and a fallback for any other model.
+
+A preset is a checkpoint config file that holds only ``rules:`` (see :mod:`vision_ckpt.config`),
+written for one family of models: ``configs/presets/<name>.yaml``. ``docs/presets.md`` says, per
+family, what each level checkpoints. This module
+
+- finds and loads them (:func:`list_presets`, :func:`load_preset`),
+- picks the preset of a model (:func:`preset_for_model`),
+- turns a preset into the rules for one model (:func:`preset_rules`), which is what
+  ``plan()`` calls when a config has ``preset:``,
+- derives levels from the structure of a model that has no preset (:func:`fallback_rules`).
+
+# NOTE [ Resolving a model to its preset ]
+
+Every preset is registered with *selectors*: a class (a qualified name such as
+``timm.models.resnet.ResNet``, so that timm's and torchvision's classes of the same name stay
+apart) and, optionally, an ``fnmatch`` pattern on timm's architecture name
+(``model.pretrained_cfg["architecture"]``) for the cases where several families share one class
+(the hybrid ViTs are ``VisionTransformer`` with a ResNet inside ``patch_embed``). For a model:
+
+1. the selectors naming the model's exact class are tried; a selector with an architecture
+   pattern applies only when the pattern matches the model's architecture name;
+2. when none applies, the same is done for each base class along the MRO, nearest first
+   (``VisionTransformerDistilled`` of DeiT resolves through ``VisionTransformer``);
+3. the most specific applicable selector wins: one with an architecture pattern beats one
+   without, and among patterns the one with more literal characters wins. Two presets whose
+   best selectors are equally specific are a tie, which is an error, never a guess.
+
+# NOTE [ Preset rules that select nothing ]
+
+A family's preset is written for all its members, and members differ: ResNet-D has a ``conv1``
+stem block that plain ResNet lacks, DenseNet-121 has four dense blocks and a shallow test model
+one. :func:`preset_rules` therefore drops the rules of a preset that select no module of the
+model at hand, instead of letting the strict config check reject them; a preset that selects
+nothing at all in a model is still an error. The tests check that every rule of every preset
+selects modules in at least one model of its family, so a rule with a typo cannot hide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+from .config import CheckpointConfig, LevelRule
+from .errors import ConfigError
+from .levels import Level
+from .matching import ModuleMatcher, compile_type_pattern
+
+__all__ = [
+    "list_presets",
+    "load_preset",
+    "register_preset",
+    "preset_for_model",
+    "preset_rules",
+    "fallback_rules",
+    "presets_dir",
+]
+
+FALLBACK_ORIGIN = "fallback"
+"""The origin label of every rule that :func:`fallback_rules` derives."""
+
+
+# --------------------------------------------------------------------------------------------
+# Where the shipped presets are, and which models each one is for
+# --------------------------------------------------------------------------------------------
+
+
+def presets_dir() -> Path:
+    """The folder of the shipped preset files.
+
+    In a wheel the files live in ``vision_ckpt/configs/presets``; in a source checkout in
+    ``configs/presets`` next to the package.
+
+    >>> presets_dir().name
+    'presets'
+    """
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "configs" / "presets", here.parent / "configs" / "presets"):
+        if candidate.is_dir():
+            return candidate
+    raise ConfigError(
+        f"the preset folder is missing: looked for {here / 'configs' / 'presets'} and "
+        f"{here.parent / 'configs' / 'presets'}; reinstall vision_ckpt (the wheel ships it as "
+        "vision_ckpt/configs/presets)."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Selector:
+    """One way a model is recognised as a member of a preset's family."""
+
+    preset: str
+    cls: str
+    """Class name: qualified (``timm.models.resnet.ResNet``) when it contains a dot."""
+    architecture: str | None = None
+    """``fnmatch`` pattern on timm's architecture name, for classes that families share."""
+
+    def specificity(self) -> tuple[int, int]:
+        if self.architecture is None:
+            return (0, 0)
+        return (1, sum(ch not in "*?[]" for ch in self.architecture))
+
+
+_TIMM = "timm.models."
+_TV = "torchvision.models."
+
+# Which classes (and, where a class is shared, which architectures) each shipped preset is for.
+# The rules themselves are data, in configs/presets/<name>.yaml.
+_SHIPPED_SELECTORS: tuple[tuple[str, str, str | None], ...] = (
+    ("vit", _TIMM + "vision_transformer.VisionTransformer", None),
+    ("vit_hybrid", _TIMM + "vision_transformer.VisionTransformer", "vit_*_r26_*"),
+    ("vit_hybrid", _TIMM + "vision_transformer.VisionTransformer", "vit_*_r50_*"),
+    ("vit_hybrid", _TIMM + "vision_transformer.VisionTransformer", "vit_*_resnet*"),
+    ("beit", _TIMM + "beit.Beit", None),
+    ("eva", _TIMM + "eva.Eva", None),
+    ("swin", _TIMM + "swin_transformer.SwinTransformer", None),
+    ("swin", _TIMM + "swin_transformer_v2.SwinTransformerV2", None),
+    ("convnext", _TIMM + "convnext.ConvNeXt", None),
+    ("resnet", _TIMM + "resnet.ResNet", None),
+    ("regnet", _TIMM + "regnet.RegNet", None),
+    ("densenet", _TIMM + "densenet.DenseNet", None),
+    ("efficientnet", _TIMM + "efficientnet.EfficientNet", None),
+    ("mobilenetv3", _TIMM + "mobilenetv3.MobileNetV3", None),
+    ("maxxvit", _TIMM + "maxxvit.MaxxVit", None),
+    ("pvt_v2", _TIMM + "pvt_v2.PyramidVisionTransformerV2", None),
+    ("tv_resnet", _TV + "resnet.ResNet", None),
+    ("tv_densenet", _TV + "densenet.DenseNet", None),
+    ("tv_swin", _TV + "swin_transformer.SwinTransformer", None),
+    ("tv_vit", _TV + "vision_transformer.VisionTransformer", None),
+)
+
+_selectors: list[_Selector] = [_Selector(*s) for s in _SHIPPED_SELECTORS]
+_registered: dict[str, CheckpointConfig | Path] = {}
+_cache: dict[str, CheckpointConfig] = {}
+
+
+def _normalise(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+def _shipped_files() -> dict[str, Path]:
+    return {p.stem: p for p in presets_dir().glob("*.yaml")}
+
+
+def _all_sources() -> dict[str, CheckpointConfig | Path]:
+    sources: dict[str, CheckpointConfig | Path] = dict(_shipped_files())
+    sources.update(_registered)
+    return sources
+
+
+def _natural_key(text: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text.lower())]
+
+
+def register_preset(
+    name: str,
+    config: CheckpointConfig | str | Path,
+    *,
+    classes: Iterable[str] = (),
+    architectures: Iterable[tuple[str, str]] = (),
+) -> None:
+    """Add a preset (or replace one of the same name) for this process.
+
+    Args:
+        name: the preset's name, as used in ``preset:`` and :func:`load_preset`.
+        config: a :class:`CheckpointConfig` holding the rules, or the path of a YAML/JSON file.
+        classes: classes :func:`preset_for_model` resolves to this preset: class names, qualified
+            (``mypkg.models.Net``) when they contain a dot.
+        architectures: ``(class, pattern)`` pairs: models of ``class`` whose timm architecture
+            name matches the ``fnmatch`` pattern resolve to this preset (more specific than a
+            plain class; see NOTE [ Resolving a model to its preset ]).
+
+    Raises:
+        ConfigError: the name is empty, or the config sets ``preset`` itself.
+
+    >>> register_preset("my_net", CheckpointConfig(rules=[{"match": "body.*", "level": 3}]),
+    ...                 classes=["my_pkg.MyNet"])
+    >>> load_preset("my_net").rules[0].match
+    'body.*'
+    """
+    key = _normalise(name)
+    if not key:
+        raise ConfigError(f"preset name {name!r} is empty; give a name such as 'my_net'.")
+    if not isinstance(config, CheckpointConfig):
+        config = Path(config)
+    else:
+        _check_preset_config(key, config, source=None)
+    for cls in classes:
+        compile_type_pattern(cls)
+        _selectors.append(_Selector(key, cls))
+    for cls, pattern in architectures:
+        compile_type_pattern(cls)
+        _selectors.append(_Selector(key, cls, pattern))
+    _registered[key] = config
+    _cache.pop(key, None)
+
+
+def list_presets(filter: str | None = None) -> list[str]:
+    """Names of the available presets, in natural order, optionally filtered.
+
+    Args:
+        filter: an ``fnmatch`` pattern on the name (``"tv_*"``, ``"*vit*"``); ``None`` lists all.
+
+    >>> "resnet" in list_presets()
+    True
+    >>> list_presets("tv_*")
+    ['tv_densenet', 'tv_resnet', 'tv_swin', 'tv_vit']
+    """
+    names = sorted(_all_sources(), key=_natural_key)
+    if filter is not None:
+        names = [n for n in names if fnmatch.fnmatchcase(n, _normalise(filter))]
+    return names
+
+
+def load_preset(name: str) -> CheckpointConfig:
+    """The validated config of the preset called ``name``.
+
+    Raises:
+        ConfigError: no such preset (the message lists the available ones and the closest
+            names), or its file does not validate.
+
+    >>> cfg = load_preset("swin")
+    >>> cfg.preset is None and len(cfg.rules) > 0
+    True
+    >>> load_preset("swim")
+    Traceback (most recent call last):
+    ...
+    vision_ckpt.errors.ConfigError: unknown preset 'swim'; did you mean 'swin'? ...
+    """
+    key = _normalise(name)
+    if key in _cache:
+        return _cache[key]
+    sources = _all_sources()
+    source = sources.get(key)
+    if source is None:
+        names = sorted(sources, key=_natural_key)
+        close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        raise ConfigError(
+            f"unknown preset {name!r}; {hint}available presets: {', '.join(names)}. "
+            "Use 'auto' to pick the preset from the model's class, or register your own with "
+            "vision_ckpt.register_preset."
+        )
+    if isinstance(source, Path):
+        config = CheckpointConfig.from_file(source)
+        _check_preset_config(key, config, source=str(source))
+    else:
+        config = source
+    _cache[key] = config
+    return config
+
+
+def _check_preset_config(name: str, config: CheckpointConfig, source: str | None) -> None:
+    where = f" ({source})" if source else ""
+    if config.preset is not None:
+        raise ConfigError(
+            f"preset {name!r}{where} sets 'preset: {config.preset}'; a preset holds rules only "
+            "and cannot start from another preset. Copy the rules you need instead."
+        )
+    if not config.rules:
+        raise ConfigError(f"preset {name!r}{where} has no rules; give it at least one rule.")
+
+
+# --------------------------------------------------------------------------------------------
+# Model -> preset
+# --------------------------------------------------------------------------------------------
+
+
+def _architecture(model: Any) -> str | None:
+    for attr in ("pretrained_cfg", "default_cfg"):
+        cfg = getattr(model, attr, None)
+        if isinstance(cfg, dict) and cfg.get("architecture"):
+            return str(cfg["architecture"])
+    return None
+
+
+def preset_for_model(model: Any) -> str | None:
+    """The name of the preset for ``model``, or ``None`` when no preset knows its class.
+
+    See NOTE [ Resolving a model to its preset ] for the order: exact class first, then the
+    architecture name where a class is shared, then base classes; the most specific wins.
+
+    Raises:
+        ConfigError: two presets match equally well (the message names both).
+
+    >>> import timm
+    >>> preset_for_model(timm.create_model("resnet18", pretrained=False))
+    'resnet'
+    >>> import torch
+    >>> preset_for_model(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    arch = _architecture(model)
+    for cls in type(model).__mro__:
+        if cls is object:
+            break
+        qualified = f"{cls.__module__}.{cls.__qualname__}"
+        applicable = [
+            s
+            for s in _selectors
+            if compile_type_pattern(s.cls)(cls.__name__, qualified)
+            and (
+                s.architecture is None
+                or (arch is not None and fnmatch.fnmatchcase(arch, s.architecture))
+            )
+        ]
+        if not applicable:
+            continue
+        best = max(s.specificity() for s in applicable)
+        winners = sorted({s.preset for s in applicable if s.specificity() == best})
+        if len(winners) > 1:
+            raise ConfigError(
+                f"model {type(model).__name__} (architecture {arch!r}) matches presets "
+                f"{', '.join(repr(w) for w in winners)} equally well; name the preset in the "
+                "config (preset: <name>) instead of 'auto', or register a more specific "
+                "architecture pattern."
+            )
+        return winners[0]
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Preset -> rules for one model
+# --------------------------------------------------------------------------------------------
+
+
+def _named_modules(model: Any) -> list[tuple[str, Any]]:
+    return list(model.named_modules())
+
+
+def _selects_any(rule: LevelRule, modules: list[tuple[str, Any]]) -> bool:
+    matcher = ModuleMatcher(rule.match, rule.match_type)
+    for name, module in modules:
+        cls = type(module)
+        if matcher.matches(name, cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
+            return True
+    return False
+
+
+def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
+    """The rules a preset gives ``model``, each with the label of where it came from.
+
+    Args:
+        model: the model the rules are for.
+        preset: a preset name, or ``"auto"``: the preset of the model's class
+            (:func:`preset_for_model`), or, when there is none, :func:`fallback_rules`.
+
+    Returns:
+        ``(rule, origin)`` pairs in order (later rules win). ``origin`` is
+        ``"preset <name> #<i>"``, ``i`` being the rule's index in the preset's ``rules`` (from 0,
+        as in ``rules[i]``), or ``"fallback"``. Rules of the preset that select no module of
+        this model are left out (see NOTE [ Preset rules that select nothing ]).
+
+    Raises:
+        ConfigError: unknown preset; or the preset selects no module of this model.
+
+    >>> import timm
+    >>> m = timm.create_model("resnet18", pretrained=False)
+    >>> rule, origin = preset_rules(m, "auto")[0]
+    >>> origin
+    'preset resnet #0'
+    """
+    if _normalise(preset) == "auto":
+        name = preset_for_model(model)
+        if name is None:
+            return fallback_rules(model)
+    else:
+        name = _normalise(preset)
+    config = load_preset(name)
+    modules = _named_modules(model)
+    out = [
+        (rule, f"preset {name} #{i}")
+        for i, rule in enumerate(config.rules)
+        if _selects_any(rule, modules)
+    ]
+    if not out:
+        children = ", ".join(n for n, _ in model.named_children()) or "(none)"
+        suggestion = preset_for_model(model)
+        hint = (
+            f"the preset for this model is {suggestion!r}"
+            if suggestion
+            else "no preset knows this model; use 'auto' for the structural fallback"
+        )
+        raise ConfigError(
+            f"preset {name!r} selects no module of {type(model).__name__} (top-level children: "
+            f"{children}); {hint}."
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Fallback: levels from structure
+# --------------------------------------------------------------------------------------------
+
+# NOTE [ Fallback levels ]
+#
+# Blocks and stages come from timm's group_matcher where the model has one, else from the
+# structure: composite modules held in Sequential/ModuleList containers whose class occurs at
+# least twice in the model (repeated blocks; counted over the whole model so that a stage of
+# depth 1 still counts). The innermost such modules are blocks (3); a module holding blocks
+# that is itself one of a repeated set, or the callable parent of a block container, is a stage
+# (4); the nearest callable common ancestor of all blocks, below the root, is the trunk (5).
+# Inside blocks, composite children with two or more weight layers are sub-blocks (2: attention,
+# MLP, conv branches). Anywhere in the model, a composite module made only of leaf layers with
+# at most one weight layer and at least one norm or activation is a unit (1: conv+norm+act,
+# norm+act): a lone Linear or Conv is never one, since its input is kept anyway. A unit whose
+# first layer is an in-place activation is skipped (it would overwrite the input the
+# checkpoint needs to recompute from).
+
+_NORM_OR_ACT = re.compile(
+    r"(Norm|ReLU|GELU|SiLU|Swish|Mish|Hardswish|Hardsigmoid|Sigmoid|Tanh|ELU|Softplus|Act)"
+)
+_WEIGHT_LAYER = re.compile(r"(Conv|Linear)")
+_INERT = ("Identity", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "DropPath")
+
+
+def _is_container(module: Any) -> bool:
+    return isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
+
+
+def _callable(module: Any) -> bool:
+    """Whether the module has a forward of its own (ModuleList/ModuleDict do not)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _is_composite(module: Any) -> bool:
+    return any(True for _ in module.children())
+
+
+def _has_params(module: Any) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _weight_layers(module: Any) -> int:
+    return sum(
+        1
+        for m in module.modules()
+        if _WEIGHT_LAYER.search(type(m).__name__) and any(True for _ in m.parameters(recurse=False))
+    )
+
+
+def _is_unit(module: Any) -> bool:
+    """A layer with its norm/activation: one weight layer at most, two meaningful parts at least.
+
+    ``Sequential(conv, bn, act)``, timm's ``ConvNormAct`` and ``BatchNormAct2d`` (a norm with an
+    activation child), a patch-merging ``norm`` + ``reduction``. Not a lone layer, not an MLP
+    (two weight layers), and not a unit whose first operation is an in-place activation.
+    """
+    if not _is_composite(module) or not _callable(module) or not _has_params(module):
+        return False
+    if _weight_layers(module) > 1:
+        return False
+    parts = [
+        m
+        for m in module.modules()
+        if type(m).__name__ not in _INERT
+        and (
+            any(True for _ in m.parameters(recurse=False))
+            or (not _is_composite(m) and _NORM_OR_ACT.search(type(m).__name__))
+        )
+    ]
+    if len(parts) < 2 or not any(_NORM_OR_ACT.search(type(m).__name__) for m in parts):
+        return False
+    if any(True for _ in module.parameters(recurse=False)):
+        return True  # the module's own op (a norm) runs first
+    first = next((m for m in module.modules() if not _is_composite(m)), None)
+    return not getattr(first, "inplace", False)
+
+
+def _is_sub_block(module: Any) -> bool:
+    """An attention/MLP/conv branch of a block: callable, two weight layers or more."""
+    return _callable(module) and _is_composite(module) and _weight_layers(module) >= 2
+
+
+def _matcher_roots(
+    modules: list[tuple[str, Any]], specs: list[tuple[re.Pattern[str], bool]]
+) -> list[str]:
+    """Outermost modules with parameters whose name an (unmerged) group regex matches."""
+    keys: dict[str, tuple[int, tuple[str | None, ...]] | None] = {}
+    roots: list[str] = []
+    for name, module in modules:
+        key = None
+        for index, (regex, merged) in enumerate(specs):
+            m = regex.match(name)
+            if m is not None:
+                key = None if merged else (index, m.groups())
+                break
+        keys[name] = key
+        if key is None or not name or not _has_params(module) or not _callable(module):
+            continue
+        if keys.get(_parent(name)) != key or not _parent(name):
+            if not any(name.startswith(r + ".") for r in roots):
+                roots.append(name)
+    return roots
+
+
+def _group_specs(matcher: Any) -> list[tuple[re.Pattern[str], bool]] | None:
+    """The block regexes of a timm group_matcher dict; ``None`` when it cannot be read."""
+    if not isinstance(matcher, dict):
+        return None
+    specs: list[tuple[re.Pattern[str], bool]] = []
+    for key, spec in matcher.items():
+        if key == "stem" or spec is None:
+            continue
+        entries = spec if isinstance(spec, (list, tuple)) else [(spec, None)]
+        for entry in entries:
+            if not isinstance(entry, (list, tuple)) or not entry or not isinstance(entry[0], str):
+                return None
+            # timm's MATCH_PREV_GROUP suffix (99999,) merges a match into the group before it
+            # (the final norm after the last block): not a group of its own.
+            suffix = entry[1] if len(entry) > 1 else None
+            merged = isinstance(suffix, (tuple, list)) and tuple(suffix) == (99999,)
+            try:
+                specs.append((re.compile(entry[0]), merged))
+            except re.error:
+                return None
+    return specs or None
+
+
+def _timm_groups(model: Any, modules: list[tuple[str, Any]]) -> tuple[list[str], list[str]] | None:
+    """Blocks (fine groups) and stages (coarse groups) from timm's ``group_matcher``."""
+    group_matcher = getattr(model, "group_matcher", None)
+    if not callable(group_matcher):
+        return None
+    try:
+        fine = _group_specs(group_matcher(coarse=False))
+        coarse = _group_specs(group_matcher(coarse=True))
+    except Exception:  # a third-party group_matcher may fail in any way; use the structure
+        return None
+    if fine is None:
+        return None
+    blocks = _matcher_roots(modules, fine)
+    stages = [s for s in _matcher_roots(modules, coarse or []) if s not in blocks]
+    # A coarse group is a stage only if it holds blocks.
+    stages = [s for s in stages if any(b.startswith(s + ".") for b in blocks)]
+    if not blocks:
+        return None
+    return blocks, stages
+
+
+def _structural_groups(modules: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
+    """Blocks and stages from repeated composite children of Sequential/ModuleList containers."""
+    by_name = dict(modules)
+    counts: dict[type, int] = {}
+    for _, module in modules:
+        counts[type(module)] = counts.get(type(module), 0) + 1
+    candidates = [
+        name
+        for name, module in modules
+        if name
+        and _is_container(by_name[_parent(name)])
+        and _callable(module)
+        and _is_composite(module)
+        and _has_params(module)
+        and counts[type(module)] >= 2
+        and not _is_unit(module)
+    ]
+    # The innermost repeated modules are the blocks; repeated modules holding blocks (a
+    # Sequential of stages) and the callable holders of block containers are stages.
+    blocks = [c for c in candidates if not any(o.startswith(c + ".") for o in candidates)]
+    stages = [c for c in candidates if c not in blocks]
+    for block in blocks:
+        container = _parent(block)
+        holder = container if _callable(by_name[container]) else _parent(container)
+        if holder and holder not in stages:
+            stages.append(holder)
+    return blocks, stages
+
+
+def _trunk(blocks: list[str], by_name: dict[str, Any]) -> str | None:
+    """The nearest callable common ancestor of all blocks, below the root."""
+    if not blocks:
+        return None
+    common = blocks[0].split(".")
+    for b in blocks[1:]:
+        parts = b.split(".")
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    name = ".".join(common)
+    if name in blocks:
+        name = _parent(name)
+    while name and not _callable(by_name[name]):
+        name = _parent(name)
+    return name or None
+
+
+def _exact(name: str) -> str:
+    if all(re.fullmatch(r"[A-Za-z0-9_\-]+", part) for part in name.split(".")):
+        return name
+    return "re:" + re.escape(name)
+
+
+def fallback_rules(model: Any) -> list[tuple[LevelRule, str]]:
+    """Levels for a model without a preset, derived from its structure.
+
+    Stages and blocks come from timm's ``group_matcher`` where the model has one, else from
+    repeated sibling blocks in ``Sequential``/``ModuleList`` containers; see NOTE [ Fallback
+    levels ] in the source. Every rule names one module exactly (a ``re:`` rule where the name
+    has characters a glob cannot hold), and every rule's origin is ``"fallback"``.
+
+    Returns:
+        ``(rule, "fallback")`` pairs, one per module given a level, in ``named_modules()`` order.
+
+    Raises:
+        ConfigError: nothing in the model has a structure the fallback recognises (no repeated
+            blocks, no layer with a norm or activation); write rules for it.
+
+    >>> import torch.nn as nn
+    >>> block = lambda: nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.Sequential(block(), block()))
+    >>> [(r.match, int(r.level)) for r, _ in fallback_rules(net)]
+    [('1', 5), ('1.0', 3), ('1.1', 3)]
+    """
+    modules = _named_modules(model)
+    by_name = dict(modules)
+    groups = _timm_groups(model, modules)
+    blocks, stages = groups if groups is not None else _structural_groups(modules)
+    levels: dict[str, int] = {}
+    units: list[str] = []
+    for name, module in modules:
+        if name and not any(name.startswith(u + ".") for u in units) and _is_unit(module):
+            units.append(name)
+            levels[name] = int(Level.SINGLE_LAYER)
+    for block in blocks:
+        for name, module in modules:
+            if _parent(name) == block and _is_sub_block(module):
+                levels[name] = int(Level.SMALL_BLOCK)
+    trunk = _trunk(blocks, by_name)
+    for block in blocks:
+        if block not in units:  # timm groups a patch-merging layer as a block of its own
+            levels[block] = int(Level.MEDIUM_MODULE)
+    for stage in stages:
+        if stage != trunk and _callable(by_name[stage]):
+            levels[stage] = int(Level.LARGE_MODULE)
+    if trunk is not None and trunk not in blocks:
+        levels[trunk] = int(Level.VERY_LARGE_MODULE)
+    if not levels:
+        children = ", ".join(n for n, _ in model.named_children()) or "(none)"
+        raise ConfigError(
+            f"the fallback found nothing to checkpoint in {type(model).__name__} (top-level "
+            f"children: {children}): no repeated blocks in Sequential/ModuleList containers, "
+            "no timm group_matcher and no layer with a norm or activation. Write rules for it "
+            "(rules: - match: '<module name>' level: 3)."
+        )
+    return [
+        (LevelRule(match=_exact(name), level=levels[name]), FALLBACK_ORIGIN)
+        for name, _ in modules
+        if name in levels
+    ]
