@@ -1,0 +1,108 @@
+"""Shared test helpers, exposed as fixtures so that test modules never import this file.
+
+- ``assert_exact(actual, expected)``: bit-exact comparison of tensors inside any nesting of
+  lists, tuples and dicts (other leaves compared with ``==``).
+- ``saved_bytes``: a context manager class that counts the bytes autograd packs for backward
+  while it is active (each storage counted once).
+- ``op_counter``: a context manager class that counts the aten ops dispatched while it is active.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _assert_exact(actual: Any, expected: Any, where: str = "value") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: expected a tensor, got {type(actual)}"
+        if expected.device.type == "meta" or actual.device.type == "meta":
+            assert (actual.shape, actual.dtype, actual.device) == (
+                expected.shape,
+                expected.dtype,
+                expected.device,
+            ), f"{where}: metadata differs"
+            return
+        torch.testing.assert_close(
+            actual, expected, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{where}: {m}"
+        )
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict), f"{where}: expected a dict, got {type(actual)}"
+        assert actual.keys() == expected.keys(), f"{where}: keys differ"
+        for key in expected:
+            _assert_exact(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected), f"{where}: {type(actual)} != {type(expected)}"
+        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            _assert_exact(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+class SavedBytes:
+    """Count bytes packed for backward: ``with SavedBytes() as c: ...; c.nbytes``.
+
+    Storages are keyed by (device, data pointer) so that views and repeated saves of one tensor
+    count once. Tensors without real storage (meta) count by their own size.
+    """
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.count = 0
+        self._seen: set[tuple[str, int]] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if t.device.type == "meta" or key not in self._seen:
+            self._seen.add(key)
+            self.nbytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class OpCounter(TorchDispatchMode):
+    """Count aten ops by packet name (``"mm"``, ``"sin"``...): ``with OpCounter() as c: ...``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def assert_exact():
+    """The bit-exact nested comparison (see the module docstring)."""
+    return _assert_exact
+
+
+@pytest.fixture
+def saved_bytes():
+    """The :class:`SavedBytes` class: instantiate it as a context manager."""
+    return SavedBytes
+
+
+@pytest.fixture
+def op_counter():
+    """The :class:`OpCounter` class: instantiate it as a context manager."""
+    return OpCounter
