@@ -11,6 +11,14 @@ from ._core import (
     set_checkpoint_debug_enabled as set_checkpoint_debug_enabled,
 )
 from ._version import __version__ as __version__
+from .apply import (
+    CheckpointPlan as CheckpointPlan,
+    PlanEntry as PlanEntry,
+    apply as apply,
+    apply_preset as apply_preset,
+    plan as plan,
+    remove as remove,
+)
 from .config import (
     CheckpointConfig as CheckpointConfig,
     LevelRule as LevelRule,
@@ -24,6 +32,12 @@ from .errors import (
     VisionCkptInternalError as VisionCkptInternalError,
 )
 from .levels import Level as Level, is_checkpointed as is_checkpointed, parse_level as parse_level
+from .wrapper import (
+    ActivationCheckpointing as ActivationCheckpointing,
+    get_training_level as get_training_level,
+    set_training_level as set_training_level,
+    training_level as training_level,
+)
 
 __all__ = [
     "__version__",
@@ -42,4 +56,14 @@ __all__ = [
     "CheckpointConfig",
     "LevelRule",
     "SelectiveConfig",
+    "ActivationCheckpointing",
+    "training_level",
+    "set_training_level",
+    "get_training_level",
+    "CheckpointPlan",
+    "PlanEntry",
+    "plan",
+    "apply",
+    "remove",
+    "apply_preset",
 ]

@@ -398,20 +398,25 @@ class _CheckpointedForward:
 class _SaveOps:
     """A picklable ``context_fn`` that saves the outputs of the named ops (selective checkpoint).
 
-    Op names (``"aten.mm"``) are resolved to ``torch.ops`` overload packets when first needed.
+    Op names (``"aten.mm"``) are resolved to ``torch.ops`` overload packets (or, with a third
+    component, single overloads) when first needed; the policy saves the output of every op of
+    those and recomputes all others.
     """
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = tuple(names)
-        self._ops: list[Any] | None = None
+        self._ops: frozenset[Any] | None = None
 
-    def resolve(self) -> list[Any]:
+    def resolve(self) -> frozenset[Any]:
         """The ``torch.ops`` objects for the names; ConfigError naming the unknown ones."""
         if self._ops is None:
             ops, unknown = [], []
             for name in self.names:
                 op = _lookup_op(name)
-                (unknown if op is None else ops).append(name if op is None else op)
+                if op is None:
+                    unknown.append(name)
+                else:
+                    ops.append(op)
             if unknown:
                 raise ConfigError(
                     f"selective.save_ops: unknown operators {unknown}; write them as in "
@@ -419,11 +424,18 @@ class _SaveOps:
                     "'aten._scaled_dot_product_efficient_attention' (check with "
                     "hasattr(torch.ops.aten, name))."
                 )
-            self._ops = ops
+            self._ops = frozenset(ops)
         return self._ops
 
+    def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        ops = self._ops if self._ops is not None else self.resolve()
+        policy = torch.utils.checkpoint.CheckpointPolicy
+        if op in ops or getattr(op, "overloadpacket", None) in ops:
+            return policy.MUST_SAVE
+        return policy.PREFER_RECOMPUTE
+
     def __call__(self) -> tuple[Any, Any]:
-        return torch.utils.checkpoint.create_selective_checkpoint_contexts(self.resolve())
+        return torch.utils.checkpoint.create_selective_checkpoint_contexts(self._policy)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"names": self.names, "_ops": None}

@@ -1,0 +1,554 @@
+"""plan / apply / remove on the test models and timm models: exactness, memory, model surgery."""
+
+from __future__ import annotations
+
+import copy
+import doctest
+import importlib
+import importlib.util
+import pickle
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import yaml
+from _models import LEVEL_RULES, make
+from torch import nn
+
+import vision_ckpt
+from vision_ckpt import (
+    CheckpointConfig,
+    CheckpointPlan,
+    ConfigError,
+    Level,
+    LevelError,
+    apply,
+    apply_preset,
+    plan,
+    remove,
+    set_training_level,
+    training_level,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "configs" / "examples"
+HAS_PRESETS = importlib.util.find_spec("vision_ckpt.presets") is not None
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _reset_level():
+    set_training_level(0)
+    yield
+    set_training_level(0)
+
+
+@pytest.fixture
+def core_calls(monkeypatch):
+    calls = []
+    real = vision_ckpt._core.checkpoint
+
+    def counting(fn, *args, **kwargs):
+        calls.append(fn)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(vision_ckpt._core, "checkpoint", counting)
+    return calls
+
+
+# --- the five models and their level rules --------------------------------------------------
+
+
+def _timm_vit() -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        depth=3,
+        num_classes=10,
+        drop_rate=0.1,
+        proj_drop_rate=0.1,
+        attn_drop_rate=0.1,
+        drop_path_rate=0.2,
+    ).train()
+
+
+def _timm_resnet() -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(
+        "resnet18", pretrained=False, num_classes=10, drop_rate=0.1, drop_path_rate=0.2
+    ).train()
+
+
+def _example_rules(name: str) -> list[dict]:
+    return yaml.safe_load((EXAMPLES / name).read_text())["rules"]
+
+
+CASES = {
+    "vit": (lambda: make("vit"), LEVEL_RULES["vit"], (2, 3, 16, 16)),
+    "swin": (lambda: make("swin"), LEVEL_RULES["swin"], (2, 3, 16, 16)),
+    "densenet": (lambda: make("densenet"), LEVEL_RULES["densenet"], (2, 3, 8, 8)),
+    "timm_vit_tiny": (
+        _timm_vit,
+        _example_rules("vit_small.yaml") + [{"match": "norm", "level": 1}],
+        (2, 3, 32, 32),
+    ),
+    "timm_resnet18": (
+        _timm_resnet,
+        [
+            {"match": "layer?.*.bn1", "level": 1},
+            {"match": "layer?.*.downsample", "level": 2},
+            *_example_rules("resnet.yaml"),
+            {"match_type": "ResNet", "level": 5},
+        ],
+        (2, 3, 32, 32),
+    ),
+}
+
+
+def _step(model: nn.Module, x: torch.Tensor):
+    """Forward + backward with a fixed seed; returns output, input grad, grads and buffers."""
+    torch.manual_seed(1234)
+    x = x.detach().requires_grad_()
+    out = model(x)
+    (out.square().mean() + out.sum()).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return out.detach(), x.grad, grads, buffers
+
+
+_REFERENCE: dict[str, tuple] = {}
+
+
+def _reference(case: str):
+    if case not in _REFERENCE:
+        build, _, shape = CASES[case]
+        torch.manual_seed(99)
+        x = torch.randn(shape)
+        _REFERENCE[case] = (x, _step(build(), x))
+    return _REFERENCE[case]
+
+
+@pytest.mark.parametrize("nesting", ["all", "outermost"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_level_is_exact_and_saves_memory(case, nesting, assert_exact, saved_bytes):
+    build, rules, _ = CASES[case]
+    x, expected = _reference(case)
+    model = build()
+    the_plan = apply(model, {"rules": rules, "nesting": nesting})
+    levels = {int(e.level) for e in the_plan}
+    assert levels >= ({1, 2, 3, 5} if case == "timm_vit_tiny" else {1, 2, 3, 4, 5})
+    nbytes = []
+    for level in range(6):
+        set_training_level(level)  # no re-apply: the next forward follows the global level
+        model.zero_grad(set_to_none=True)
+        model.load_state_dict(build().state_dict())  # fresh weights and BatchNorm statistics
+        with saved_bytes() as counter:
+            got = _step(model, x)
+        assert_exact(got[:3], expected[:3])
+        assert_exact(got[3], expected[3])  # BatchNorm statistics updated exactly once
+        nbytes.append(counter.nbytes)
+    assert all(a >= b for a, b in zip(nbytes, nbytes[1:], strict=False)), nbytes
+    assert nbytes[-1] < nbytes[0], nbytes
+
+
+@pytest.mark.parametrize("case", ["vit", "densenet"])
+def test_eval_mode_and_level_zero_call_the_core_zero_times(case, core_calls):
+    build, rules, shape = CASES[case]
+    model = build()
+    apply(model, {"rules": rules})
+    x = torch.randn(shape)
+    with training_level(0):
+        _step(model, x)
+    with training_level(5):
+        model.eval()
+        model(x).sum().backward()
+        model.train()
+        with torch.no_grad():
+            model(x)
+    assert core_calls == []
+    with training_level(5):
+        model(x)
+    assert core_calls
+
+
+def test_level_change_after_apply_takes_effect_without_reapplying(core_calls):
+    model = make("vit")
+    x = torch.randn(2, 3, 16, 16)
+    apply(model, {"rules": LEVEL_RULES["vit"], "nesting": "outermost"})
+    counts = []
+    for level in (0, 2, 3, 0, 1):
+        core_calls.clear()
+        with training_level(level):
+            model(x)
+        counts.append(len(core_calls))
+    # level 2: 3 blocks x (norm1, attn, norm2, mlp); 3: the 3 blocks; 1: 3 x (norm1, norm2)
+    assert counts == [0, 12, 3, 0, 6]
+
+
+def test_pinned_level_from_the_config(core_calls):
+    model = make("vit")
+    apply(
+        model, {"training_checkpoint_level": 3, "rules": LEVEL_RULES["vit"], "nesting": "outermost"}
+    )
+    with training_level(0):
+        model(torch.randn(2, 3, 16, 16))
+    assert len(core_calls) == 3
+
+
+# --- model surgery ------------------------------------------------------------------------
+
+
+def _snapshot(model: nn.Module):
+    return (
+        [n for n, _ in model.named_modules()],
+        list(model.state_dict().keys()),
+        [(n, id(p)) for n, p in model.named_parameters()],
+        {k: v.clone() for k, v in model.state_dict().items()},
+    )
+
+
+@pytest.mark.parametrize("case", ["swin", "timm_vit_tiny"])
+def test_apply_and_remove_leave_the_model_as_it_was(case, assert_exact):
+    build, rules, _ = CASES[case]
+    model = build()
+    before = _snapshot(model)
+    apply(model, {"rules": rules})
+    after = _snapshot(model)
+    assert after[:3] == before[:3]
+    assert_exact(after[3], before[3])
+    assert remove(model) > 0
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert _snapshot(model)[:3] == before[:3]
+    assert remove(model) == 0
+
+
+def test_state_dict_moves_between_plain_and_applied_models(assert_exact):
+    plain, applied = make("swin", seed=1), make("swin", seed=2)
+    apply(applied, {"rules": LEVEL_RULES["swin"]})
+    applied.load_state_dict(plain.state_dict())
+    assert_exact(applied.state_dict(), plain.state_dict())
+    other = make("swin", seed=3)
+    other.load_state_dict(applied.state_dict())
+    assert_exact(other.state_dict(), plain.state_dict())
+
+
+def test_apply_twice_is_apply_once(core_calls):
+    model = make("vit")
+    first = apply(model, {"rules": LEVEL_RULES["vit"]})
+    once = {n: m.__dict__.get("forward") is not None for n, m in model.named_modules()}
+    second = apply(model, {"rules": LEVEL_RULES["vit"]})
+    assert first == second
+    twice = {n: m.__dict__.get("forward") is not None for n, m in model.named_modules()}
+    assert once == twice
+    with training_level(1):
+        model(torch.randn(2, 3, 16, 16))
+    assert len(core_calls) == 6  # each norm once, not wrapped twice
+    # Re-applying another config replaces the previous plan entirely.
+    apply(model, {"rules": [{"match": "head", "level": 1}]})
+    assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == ["head"]
+
+
+def test_an_instance_forward_that_was_there_is_kept_and_restored(assert_exact):
+    model = make("vit")
+    calls = []
+    original_head = model.head.forward
+
+    def patched(x):
+        calls.append(1)
+        return original_head(x)
+
+    model.head.forward = patched
+    apply(model, {"rules": [{"match": "head", "level": 1}]})
+    with training_level(1):
+        model(torch.randn(2, 3, 16, 16))
+    assert calls == [1]
+    remove(model)
+    assert model.head.forward is patched
+
+
+@pytest.mark.parametrize("case", ["vit", "densenet", "timm_resnet18"])
+def test_deepcopy_and_pickle_of_an_applied_model(case, core_calls, assert_exact):
+    build, rules, shape = CASES[case]
+    model = build()
+    # The selective policy object must survive the copies too (BatchNorm models: see the xfail).
+    selective = {"save_ops": ["aten.mm", "aten.addmm"]} if case == "vit" else None
+    apply(model, {"rules": rules, "selective": selective})
+    x = torch.randn(shape)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        core_calls.clear()
+        with training_level(3):
+            got = _step(clone, x)
+        assert core_calls, "the copy lost its checkpointing"
+        assert all(
+            m.__dict__["forward"].run.module is m
+            for m in clone.modules()
+            if "forward" in m.__dict__
+        )
+        with training_level(0):
+            ref = _step(build(), x)
+        assert_exact(got[:3], ref[:3])
+
+
+# --- plan ---------------------------------------------------------------------------------
+
+
+class _NoForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = make("vit")
+
+    def forward(self, x):
+        raise AssertionError("plan() must not run the model")
+
+
+def test_plan_is_pure_and_comparable():
+    model = _NoForward()
+    before = _snapshot(model)
+    rules = [
+        {**r, "match": "body." + r["match"]} if "match" in r else r for r in LEVEL_RULES["vit"]
+    ]
+    cfg = CheckpointConfig(training_checkpoint_level=3, rules=rules)
+    p1, p2 = plan(model, cfg), plan(model, cfg)
+    assert p1 == p2 and isinstance(p1, CheckpointPlan)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert _snapshot(model)[:3] == before[:3]
+    assert plan(model, cfg.model_copy(update={"nesting": "outermost"})) != p1
+    assert p1.at_level(0).checkpointed == ()
+
+
+def test_plan_entries_last_rule_wins_and_says_which():
+    model = make("vit")
+    p = plan(
+        model,
+        {
+            "training_checkpoint_level": 2,
+            "rules": [
+                {"match": "blocks.*", "level": 3},
+                {"match": "blocks.*.attn", "level": 2},
+                {"match": "blocks.1", "level": 0},
+                {"match_type": "Attention", "match": "blocks.2.*", "level": 4},
+            ],
+        },
+    )
+    assert p["blocks.0"].level == 3 and p["blocks.0"].origin == "rules[0]"
+    assert p["blocks.1"].level == 0 and p["blocks.1"].rule == "match='blocks.1' level=0"
+    assert p["blocks.0.attn"].checkpointed and not p["blocks.0"].checkpointed
+    assert p["blocks.2.attn"].level == 4 and p["blocks.2.attn"].origin == "rules[3]"
+    assert p["blocks.2.attn"].rule == "match='blocks.2.*' match_type='Attention' level=4"
+    assert p.checkpointed == ("blocks.0.attn", "blocks.1.attn")
+    assert p.levels["blocks.1.attn"] == Level.SMALL_BLOCK
+    assert [e.name for e in p] == [
+        "blocks.0",
+        "blocks.0.attn",
+        "blocks.1",
+        "blocks.1.attn",
+        "blocks.2",
+        "blocks.2.attn",
+    ]
+    text = str(p)
+    assert "Checkpoint plan for TinyViT: training level 2 (config), nesting all" in text
+    assert "blocks.2.attn" in text and "rules[3]" in text and "match='blocks.1' level=0" in text
+    # A level-0 module is left untouched by apply.
+    apply(model, p)
+    assert "forward" not in model.blocks[1].__dict__ and "forward" in model.blocks[0].__dict__
+
+
+def test_plan_outermost_marks_only_the_outermost_eligible():
+    p = plan(
+        make("swin"),
+        {"training_checkpoint_level": 3, "rules": LEVEL_RULES["swin"], "nesting": "outermost"},
+    )
+    assert p.checkpointed == (
+        "stages.0.blocks.0",
+        "stages.0.blocks.1",
+        "stages.0.downsample",
+        "stages.1.blocks.0",
+        "stages.1.blocks.1",
+        "stages.1.downsample",  # an nn.Identity here, selected by 'stages.*.downsample'
+    )
+
+
+def test_plan_from_a_file_and_the_example_configs_fit_timm_models():
+    p = plan(_timm_vit(), EXAMPLES / "vit_small.yaml")
+    assert p.pinned_training_level == 3 and "blocks.0" in p.checkpointed
+    r = plan(_timm_resnet(), str(EXAMPLES / "resnet.yaml"))
+    assert r.checkpointed == tuple(f"layer{i}.{j}" for i in range(1, 5) for j in range(2))
+
+
+def test_glob_semantics_on_a_real_model():
+    model = _timm_vit()
+
+    def names(pattern: str) -> list[str]:
+        return [e.name for e in plan(model, {"rules": [{"match": pattern, "level": 1}]})]
+
+    assert names("blocks.*") == ["blocks.0", "blocks.1", "blocks.2"]
+    assert names("*.0.attn") == ["blocks.0.attn"]
+    assert names("**.attn") == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
+    assert names("blocks.1.**")[:3] == ["blocks.1", "blocks.1.norm1", "blocks.1.attn"]
+    assert names("blocks.?.mlp.fc*") == [f"blocks.{i}.mlp.fc{j}" for i in range(3) for j in (1, 2)]
+    assert names(r"re:blocks\.[02]") == ["blocks.0", "blocks.2"]
+    assert names("**")[0] == ""  # the root is the empty name, zero components
+    by_type = plan(model, {"rules": [{"match_type": "timm.layers.mlp.Mlp", "level": 2}]})
+    assert [e.name for e in by_type] == ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp"]
+
+
+# --- selective checkpointing --------------------------------------------------------------
+
+
+def test_selective_save_ops_are_not_recomputed(op_counter, assert_exact):
+    x = torch.randn(2, 3, 16, 16)
+    counts = {}
+    for key, selective in (
+        ("plain", None),
+        ("selective", {"save_ops": ["aten.mm", "aten.bmm", "aten.addmm"]}),
+    ):
+        model = make("vit")
+        apply(
+            model,
+            {
+                "training_checkpoint_level": 3,
+                "rules": [{"match": "blocks.*", "level": 3}],
+                "selective": selective,
+            },
+        )
+        with op_counter() as ops:
+            got = _step(model, x)
+        counts[key] = ops.counts
+        with training_level(0):
+            assert_exact(got[:3], _step(make("vit"), x)[:3])
+    mm = lambda c: c["mm"] + c["bmm"] + c["addmm"]  # noqa: E731
+    assert mm(counts["selective"]) < mm(counts["plain"])
+
+
+@pytest.mark.xfail(
+    reason="core: the BatchNorm guard clones running stats inside the recomputation, under the "
+    "selective-checkpoint dispatch mode, which then raises 'aten.clone.default encountered "
+    "during backward but not found in storage'. Passes once the core clones outside that mode.",
+    raises=RuntimeError,
+)
+def test_selective_with_batchnorm(assert_exact):
+    x = torch.randn(2, 3, 8, 8)
+    model = make("densenet")
+    apply(
+        model, {"rules": LEVEL_RULES["densenet"], "selective": {"save_ops": ["aten.convolution"]}}
+    )
+    with training_level(2):
+        got = _step(model, x)
+    with training_level(0):
+        assert_exact(got, _step(make("densenet"), x))
+
+
+def test_unknown_save_op_is_a_config_error():
+    with pytest.raises(
+        ConfigError, match=r"selective\.save_ops: unknown operators \['aten\.nope'\]"
+    ):
+        plan(
+            make("vit"),
+            {
+                "rules": [{"match": "blocks", "level": 4}],
+                "selective": {"save_ops": ["aten.mm", "aten.nope"]},
+            },
+        )
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+def test_rule_without_match_is_an_error_naming_the_rule_and_the_children():
+    with pytest.raises(
+        ConfigError,
+        match=r"rules\[1\] \(match='stages\.\*' level=3\) selects no module of TinyViT; "
+        r"top-level children: patch_embed \(Conv2d\), pos_drop \(Dropout\), blocks \(Sequential\)"
+        r".*strict: false",
+    ):
+        plan(
+            make("vit"),
+            {"rules": [{"match": "blocks.*", "level": 3}, {"match": "stages.*", "level": 3}]},
+        )
+
+
+def test_rule_without_match_names_close_names_and_timm_architecture():
+    with pytest.raises(
+        ConfigError, match=r"of vit_tiny_patch16_224 \(VisionTransformer\).*Close names: blocks"
+    ):
+        plan(_timm_vit(), {"rules": [{"match": "block", "level": 3}]})
+    with pytest.raises(
+        ConfigError, match=r"match_type='MLP' level=2\) selects no module.*Close classes: Mlp"
+    ):
+        plan(_timm_vit(), {"rules": [{"match_type": "MLP", "level": 2}]})
+
+
+def test_strict_false_warns_instead():
+    with pytest.warns(
+        UserWarning, match=r"rules\[0\] \(match='stages' level=4\) selects no module"
+    ):
+        p = plan(make("vit"), {"strict": False, "rules": [{"match": "stages", "level": 4}]})
+    assert len(p) == 0
+
+
+def test_container_without_forward_is_explained():
+    with pytest.raises(
+        ConfigError,
+        match=r"selects only 'features\.1\.layers' \(ModuleList\), containers that are never "
+        r"called.*'features\.1\.layers\.\*'",
+    ):
+        plan(make("densenet"), {"rules": [{"match": "features.1.layers", "level": 2}]})
+
+
+def test_auto_level_is_refused_until_the_profiler_picks_it():
+    cfg = {
+        "training_checkpoint_level": "auto",
+        "memory_budget": "1GiB",
+        "rules": [{"match": "blocks.*", "level": 3}],
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"'auto' \(memory_budget '1GiB'\) cannot be applied directly"
+        r".*vision_ckpt\.suggest_level",
+    ):
+        apply(make("vit"), cfg)
+
+
+def test_plan_for_another_model_is_refused():
+    p = plan(make("vit"), {"rules": [{"match": "blocks.*", "level": 3}]})
+    with pytest.raises(
+        ConfigError,
+        match=r"the plan does not fit this model: it has module 'blocks\.0' as a Block, "
+        r"the model has not found",
+    ):
+        apply(make("swin"), p)
+
+
+def test_bad_config_argument_types():
+    with pytest.raises(ConfigError, match=r"config of type int is not a checkpoint config"):
+        plan(make("vit"), 3)
+    with pytest.raises(ConfigError, match=r"rules\[0\]\.level: value 9"):
+        apply(make("vit"), {"rules": [{"match": "blocks", "level": 9}]})
+    with pytest.raises(LevelError, match=r"training level 8 is not a checkpoint level"):
+        apply_preset(make("vit"), 8)
+
+
+@pytest.mark.skipif(HAS_PRESETS, reason="presets exist: their own tests cover preset plans")
+def test_preset_without_presets_module_is_a_clear_error():
+    with pytest.raises(
+        ConfigError, match=r"preset 'auto' was requested, but presets are not available"
+    ):
+        apply_preset(make("vit"), 3)
+
+
+# --- doctests of the policy-layer modules -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["vision_ckpt.wrapper", "vision_ckpt.config", "vision_ckpt.matching", "vision_ckpt.apply"],
+)
+def test_doctests(module):
+    set_training_level(0)
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,441 @@
+"""From a config to a checkpointed model: ``plan`` (pure), ``apply`` and ``remove``.
+
+:func:`plan` resolves a :class:`~vision_ckpt.CheckpointConfig` against one model: the preset's
+rules (if any) and then the config's rules are matched against ``model.named_modules()``, the last
+matching rule deciding each module's level. It runs no forward and changes nothing, so a plan can
+be printed, compared and tested without running the model.
+
+:func:`apply` installs a plan in place. It does not insert wrapper modules into the tree: each
+selected module gets an instance-level ``forward`` (a small picklable object) that decides at
+every call whether to run the class's forward through the checkpoint core. So the state dict,
+``named_modules()``, parameters and hooks of the model are exactly those of the plain model, a
+state dict moves freely between the two, ``copy.deepcopy`` and ``pickle`` work, and
+:func:`remove` restores the model by deleting those attributes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .config import CheckpointConfig, LevelRule
+from .errors import ConfigError
+from .levels import Level, is_checkpointed, parse_level
+from .matching import ModuleMatcher
+from .wrapper import _CheckpointedForward, _SaveOps, get_training_level
+
+__all__ = ["PlanEntry", "CheckpointPlan", "plan", "apply", "remove", "apply_preset"]
+
+ConfigLike = CheckpointConfig | Mapping[str, Any] | str | Path
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One module selected by a config, and what the config decided for it."""
+
+    name: str
+    """Qualified name in ``model.named_modules()`` (``""`` is the model itself)."""
+    class_name: str
+    """``type(module).__name__``."""
+    level: Level
+    """The module's level, from the last rule that selected it."""
+    checkpointed: bool
+    """Whether it is checkpointed at the plan's training level (in training mode, with grad)."""
+    rule: str
+    """The rule that decided the level, e.g. ``match='blocks.*' level=3``."""
+    origin: str
+    """Where that rule comes from: ``rules[2]`` of the config, ``preset vit #3``, ``fallback``."""
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """The modules a config selects in one model, with their levels; printable and comparable.
+
+    Two plans are equal when they select the same modules with the same levels and decisions,
+    from the same rules, with the same options.
+    """
+
+    model_class: str
+    """Class name of the planned model (or its timm architecture name)."""
+    entries: tuple[PlanEntry, ...]
+    """Every selected module, in ``named_modules()`` order."""
+    training_level: Level
+    """The training level the ``checkpointed`` column was computed at."""
+    pinned_training_level: Level | None
+    """The config's training level, or ``None`` when the model follows the global level (then
+    ``training_level`` is the global level at planning time, and the decisions follow it)."""
+    nesting: str
+    """``all`` or ``outermost``, as in the config."""
+    preserve_rng_state: bool
+    """As in the config."""
+    save_ops: tuple[str, ...] | None
+    """Selective checkpointing: the ops whose outputs are kept, or ``None``."""
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[PlanEntry]:
+        return iter(self.entries)
+
+    def __getitem__(self, name: str) -> PlanEntry:
+        """The entry of the module called ``name``."""
+        for entry in self.entries:
+            if entry.name == name:
+                return entry
+        raise KeyError(f"module {name!r} is not in the plan")
+
+    @property
+    def levels(self) -> dict[str, Level]:
+        """``{qualified name: level}`` of every selected module."""
+        return {e.name: e.level for e in self.entries}
+
+    @property
+    def checkpointed(self) -> tuple[str, ...]:
+        """Names of the modules checkpointed at the plan's training level."""
+        return tuple(e.name for e in self.entries if e.checkpointed)
+
+    def at_level(self, level: int | str | Level) -> CheckpointPlan:
+        """The same plan with the ``checkpointed`` column computed at another training level.
+
+        Only the display and :attr:`checkpointed` change; applying it still follows
+        :attr:`pinned_training_level` (or the global level).
+
+        >>> CheckpointPlan("M", (), Level.NONE, None, "all", True, None).at_level(3).training_level
+        <Level.MEDIUM_MODULE: 3>
+        """
+        lv = parse_level(level, what="training level")
+        entries = _decide(self.entries, lv, self.nesting)
+        return replace(self, entries=entries, training_level=lv)
+
+    def __str__(self) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        source = "config" if self.pinned_training_level is not None else "global"
+        title = (
+            f"Checkpoint plan for {self.model_class}: training level {int(self.training_level)} "
+            f"({source}), nesting {self.nesting}, {len(self.checkpointed)} of {len(self)} "
+            "selected modules checkpointed"
+        )
+        if self.save_ops:
+            title += f", saving outputs of {', '.join(self.save_ops)}"
+        table = Table(title=title, title_justify="left", box=None, pad_edge=False)
+        for column in ("module", "class", "level", "checkpointed", "rule", "origin"):
+            table.add_column(column, overflow="fold")
+        for e in self.entries:
+            table.add_row(
+                e.name or "(model)",
+                e.class_name,
+                str(int(e.level)),
+                "yes" if e.checkpointed else "-",
+                e.rule,
+                e.origin,
+            )
+        buffer = io.StringIO()
+        Console(file=buffer, width=140, color_system=None, force_terminal=False).print(table)
+        return buffer.getvalue().rstrip() + "\n"
+
+
+def _decide(entries: tuple[PlanEntry, ...], level: Level, nesting: str) -> tuple[PlanEntry, ...]:
+    """Recompute ``checkpointed`` for every entry at ``level`` under ``nesting``."""
+    eligible = {e.name for e in entries if is_checkpointed(e.level, level)}
+    out = []
+    for e in entries:
+        on = e.name in eligible
+        if on and nesting == "outermost":
+            on = not any(_is_ancestor(other, e.name) for other in eligible)
+        out.append(replace(e, checkpointed=on) if on != e.checkpointed else e)
+    return tuple(out)
+
+
+def _is_ancestor(name: str, of: str) -> bool:
+    return name != of and (name == "" or of.startswith(name + "."))
+
+
+def _as_config(config: ConfigLike) -> CheckpointConfig:
+    if isinstance(config, CheckpointConfig):
+        return config
+    if isinstance(config, (str, Path)):
+        return CheckpointConfig.from_file(config)
+    if isinstance(config, Mapping):
+        return CheckpointConfig.model_validate(dict(config))
+    raise ConfigError(
+        f"config of type {type(config).__name__} is not a checkpoint config; pass a "
+        "CheckpointConfig, a dict of its keys, or the path of a .yaml/.json file."
+    )
+
+
+def _model_label(model: nn.Module) -> str:
+    cfg = getattr(model, "pretrained_cfg", None)
+    arch = cfg.get("architecture") if isinstance(cfg, Mapping) else None
+    return f"{arch} ({type(model).__name__})" if arch else type(model).__name__
+
+
+def _children_summary(model: nn.Module) -> str:
+    names = [f"{n} ({type(m).__name__})" for n, m in model.named_children()]
+    return ", ".join(names) if names else "none (the model has no submodules)"
+
+
+def _has_forward(module: nn.Module) -> bool:
+    # ModuleList, ModuleDict and friends have no forward: nobody calls them, so checkpointing
+    # them would do nothing.
+    return type(module).forward is not nn.Module.forward
+
+
+def _preset_rules(model: nn.Module, preset: str) -> list[tuple[LevelRule, str]]:
+    try:
+        from . import presets
+    except ImportError as exc:
+        if exc.name not in ("vision_ckpt.presets", f"{__package__}.presets"):
+            raise
+        raise ConfigError(
+            f"preset {preset!r} was requested, but presets are not available in this version of "
+            "vision_ckpt (vision_ckpt.presets is missing); remove 'preset' and give 'rules'."
+        ) from None
+    return list(presets.preset_rules(model, preset))
+
+
+def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
+    """Resolve ``config`` against ``model``: which modules get which level. Pure.
+
+    Rules are applied in order (the preset's first, then the config's); when several select a
+    module, the last one wins, and the plan records which. Runs no forward and does not modify
+    the model.
+
+    Args:
+        model: any ``nn.Module``.
+        config: a :class:`CheckpointConfig`, a dict of its keys, or a .yaml/.json path.
+
+    Returns:
+        The :class:`CheckpointPlan`; ``str(plan)`` is a readable table.
+
+    Raises:
+        ConfigError: the config is invalid, a config rule selects no module (a warning instead
+            with ``strict: false``), the training level is ``auto``, a preset is unavailable,
+            or a ``selective.save_ops`` name is not a torch op.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> p = plan(net, {"training_checkpoint_level": 1, "rules": [{"match": "*", "level": 1}]})
+    >>> p.checkpointed
+    ('0', '1', '2')
+    >>> plan(net, {"rules": [{"match": "blocks.*", "level": 3}]})
+    Traceback (most recent call last):
+    ...
+    vision_ckpt.errors.ConfigError: rules[0] (match='blocks.*' level=3) selects no module of ...
+    """
+    cfg = _as_config(config)
+    if cfg.training_checkpoint_level == "auto":
+        raise ConfigError(
+            f"training_checkpoint_level 'auto' (memory_budget {cfg.memory_budget!r}) cannot be "
+            "applied directly: choose the level with the profiler (vision_ckpt.suggest_level("
+            "model, config, ...)) and pass a config with that level, or give a level 0-5."
+        )
+    save_ops = None
+    if cfg.selective is not None:
+        save_ops = cfg.selective.save_ops
+        _SaveOps(save_ops).resolve()  # unknown op names fail here, before anything runs
+
+    modules = [(n, m) for n, m in model.named_modules()]
+    class_names = {n: (type(m).__name__, _qualified(m)) for n, m in modules}
+
+    ordered: list[tuple[LevelRule, str, bool]] = []  # rule, origin, must match something
+    if cfg.preset is not None:
+        ordered += [(rule, origin, False) for rule, origin in _preset_rules(model, cfg.preset)]
+    ordered += [(rule, f"rules[{i}]", True) for i, rule in enumerate(cfg.rules)]
+
+    decided: dict[str, tuple[LevelRule, str]] = {}
+    for rule, origin, required in ordered:
+        matcher = ModuleMatcher(rule.match, rule.match_type)
+        hits = [n for n, m in modules if matcher.matches(n, *class_names[n])]
+        callable_hits = [n for n in hits if _has_forward(model.get_submodule(n))]
+        if required and not callable_hits:
+            _no_match(model, modules, rule, origin, hits, strict=cfg.strict)
+        for name in callable_hits:
+            decided[name] = (rule, origin)
+
+    pinned = cfg.training_checkpoint_level
+    level = pinned if pinned is not None else get_training_level()
+    entries = tuple(
+        PlanEntry(
+            name=n,
+            class_name=class_names[n][0],
+            level=decided[n][0].level,
+            checkpointed=False,
+            rule=str(decided[n][0]),
+            origin=decided[n][1],
+        )
+        for n, _ in modules
+        if n in decided
+    )
+    return CheckpointPlan(
+        model_class=_model_label(model),
+        entries=_decide(entries, level, cfg.nesting),
+        training_level=level,
+        pinned_training_level=pinned,
+        nesting=cfg.nesting,
+        preserve_rng_state=cfg.preserve_rng_state,
+        save_ops=save_ops,
+    )
+
+
+def _qualified(module: nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _no_match(
+    model: nn.Module,
+    modules: list[tuple[str, nn.Module]],
+    rule: LevelRule,
+    origin: str,
+    hits: list[str],
+    strict: bool,
+) -> None:
+    where = f"{origin} ({rule}) selects no module of {_model_label(model)}"
+    if hits:
+        kinds = sorted({type(model.get_submodule(n)).__name__ for n in hits})
+        example = f"{hits[0]}.*" if hits[0] else "*"
+        message = (
+            f"{where} that runs a forward: it selects only {', '.join(map(repr, hits[:5]))} "
+            f"({', '.join(kinds)}), containers that are never called. Select their children "
+            f"instead, e.g. {example!r}."
+        )
+    else:
+        hint = ""
+        if rule.match is not None:
+            close = _close(rule.match, [n for n, _ in modules if n])
+            if close:
+                hint = f" Close names: {', '.join(close)}."
+        if rule.match_type is not None:
+            close = _close(rule.match_type.split(".")[-1], [type(m).__name__ for _, m in modules])
+            if close:
+                hint += f" Close classes: {', '.join(close)}."
+        message = (
+            f"{where}; top-level children: {_children_summary(model)}.{hint} In 'match', '*' is "
+            "one name component and '**' any number; list the names with "
+            "[n for n, _ in model.named_modules()]. Fix or remove the rule, or set strict: false "
+            "to only warn."
+        )
+    if strict:
+        raise ConfigError(message)
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _close(word: str, candidates: list[str]) -> list[str]:
+    """Up to three candidates that look like ``word``, ignoring case."""
+    by_lower: dict[str, str] = {}
+    for c in candidates:
+        by_lower.setdefault(c.lower(), c)
+    return [by_lower[c] for c in difflib.get_close_matches(word.lower(), list(by_lower), n=3)]
+
+
+def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPlan:
+    """Install checkpointing on the modules a config (or a plan) selects, in place.
+
+    Each selected module with a level of at least 1 gets an instance-level ``forward`` that
+    checkpoints the module's own forward when its level is within the training level (the
+    config's, or the global one: changing it takes effect at the next forward), the module is
+    in training mode and grad is enabled. Applying again first removes what a previous
+    :func:`apply` installed, so applying twice equals applying once. The state dict, parameters,
+    ``named_modules()`` and numerics of the model are unchanged.
+
+    Args:
+        model: the model to modify in place.
+        config: a :class:`CheckpointConfig`, a dict of its keys, a .yaml/.json path, or a
+            :class:`CheckpointPlan` made by :func:`plan` for this model.
+
+    Returns:
+        The plan that was installed.
+
+    Raises:
+        ConfigError: as :func:`plan`; or the plan names a module this model does not have.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    >>> p = apply(net, {"training_checkpoint_level": 2, "rules": [{"match": "*", "level": 2}]})
+    >>> net(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    >>> remove(net)
+    3
+    """
+    the_plan = config if isinstance(config, CheckpointPlan) else plan(model, config)
+    installs = []
+    for entry in the_plan.entries:
+        try:
+            module = model.get_submodule(entry.name)
+        except AttributeError:
+            module = None
+        if module is None or type(module).__name__ != entry.class_name:
+            found = "not found" if module is None else f"a {type(module).__name__}"
+            raise ConfigError(
+                f"the plan does not fit this model: it has module {entry.name!r} as a "
+                f"{entry.class_name}, the model has {found}. Make the plan with "
+                "vision_ckpt.plan(model, config) for this very model."
+            )
+        installs.append((entry, module))
+    context_fn = _SaveOps(the_plan.save_ops) if the_plan.save_ops is not None else None
+    remove(model)
+    for entry, module in installs:
+        if entry.level == 0:
+            continue  # never checkpointed: leave the module untouched
+        module.__dict__["forward"] = _CheckpointedForward(
+            module,
+            entry.name,
+            entry.level,
+            the_plan.pinned_training_level,
+            the_plan.nesting,  # type: ignore[arg-type]
+            the_plan.preserve_rng_state,
+            context_fn,
+        )
+    return the_plan
+
+
+def remove(model: nn.Module) -> int:
+    """Undo :func:`apply`: give every module back the forward it had. Returns how many.
+
+    >>> import torch
+    >>> remove(torch.nn.Linear(2, 2))
+    0
+    """
+    count = 0
+    for module in model.modules():
+        installed = module.__dict__.get("forward")
+        if isinstance(installed, _CheckpointedForward):
+            original = installed.run.original
+            if original is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = original
+            count += 1
+    return count
+
+
+def apply_preset(
+    model: nn.Module, level: int | str | Level, preset: str = "auto", **options: Any
+) -> CheckpointPlan:
+    """Apply a preset's levels at training level ``level``: ``apply_preset(model, 3)``.
+
+    Args:
+        model: the model to modify in place.
+        level: the training level 0-5 for this model.
+        preset: a family name (see ``vision_ckpt.list_presets()``) or ``"auto"`` to choose it
+            from the model's class.
+        **options: other :class:`CheckpointConfig` keys (``nesting``, ``rules``, ``selective``...).
+
+    Returns:
+        The installed plan.
+
+    Raises:
+        LevelError: ``level`` is not 0-5.
+        ConfigError: no preset fits, or an option is invalid.
+    """
+    lv = parse_level(level, what="training level")
+    cfg = CheckpointConfig(training_checkpoint_level=lv, preset=preset, **options)
+    return apply(model, cfg)
