@@ -292,6 +292,34 @@ def test_in_place_ops_inside_region(assert_exact):
     assert_exact(c_grads, p_grads)
 
 
+def test_hooks_inside_the_region_fire_once_with_plain_grads(assert_exact):
+    """Tensor hooks, retain_grad and module full-backward hooks registered inside the region."""
+
+    def make():
+        return {"net": nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), "x": leaf(2, 4)}
+
+    def step(call, net, x):
+        seen = {"tensor_hook": [], "module_hook": [], "kept": []}
+        net[1].register_full_backward_hook(
+            lambda m, grad_in, grad_out: seen["module_hook"].append((grad_in, grad_out))
+        )
+
+        def region(t):
+            h = net(t)
+            h.register_hook(lambda g: seen["tensor_hook"].append(g))
+            h.retain_grad()
+            seen["kept"].append(h)
+            return h.sin()
+
+        loss_of(call(region, x)).backward()
+        return seen["tensor_hook"], seen["module_hook"], seen["kept"][0].grad
+
+    (p_out, p_grads), (c_out, c_grads) = run_twice(make, step)
+    assert len(p_out[0]) == len(p_out[1]) == 1 and p_out[2] is not None
+    assert_exact(c_out, p_out)
+    assert_exact(c_grads, p_grads)
+
+
 @pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode])
 def test_ambient_no_grad_just_calls_fn(assert_exact, grad_off):
     calls = []
@@ -468,6 +496,25 @@ def test_double_backward_gradient_penalty(assert_exact):
     assert_exact(c_out, p_out)
     assert_exact(c_grads, p_grads)
     assert c_grads["w1[0].grad"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_autograd_grad_inside_the_region(assert_exact, early_stop):
+    """A region that differentiates inside its own forward (input-gradient features)."""
+
+    def region(x, w):
+        y = (x @ w).tanh()
+        (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return (gx * y).sin()
+
+    def step(call, x, w):
+        out = call(region, x, w, early_stop=early_stop)
+        loss_of(out).backward()
+        return out
+
+    (p_out, p_grads), (c_out, c_grads) = run_twice(lambda: {"x": leaf(3, 4), "w": leaf(4, 4)}, step)
+    assert_exact(c_out, p_out)
+    assert_exact(c_grads, p_grads)
 
 
 def test_only_part_of_the_outputs_used(assert_exact):
@@ -676,7 +723,7 @@ def _sequential():
     ).train()
 
 
-@pytest.mark.parametrize("segments", [1, 2, 3, 6])
+@pytest.mark.parametrize("segments", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("as_list", [False, True], ids=["sequential", "list"])
 def test_checkpoint_sequential_matches_plain(assert_exact, segments, as_list):
     def make():
@@ -904,6 +951,50 @@ def test_batchnorm_running_stats_over_several_training_steps(assert_exact):
     assert_exact(c_out, p_out)
     assert c_grads["block.1.num_batches_tracked"].item() == 3
     assert_exact(c_grads, p_grads)
+
+
+def test_instance_norm_running_stats_updated_once(assert_exact):
+    """InstanceNorm with ``track_running_stats=True`` keeps running stats like BatchNorm."""
+
+    def make():
+        norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+        return {
+            "block": nn.Sequential(nn.Conv2d(3, 4, 3), norm, nn.ReLU()).train(),
+            "x": leaf(2, 3, 6, 6),
+        }
+
+    (p_out, p_grads), (c_out, c_grads) = run_twice(make, forward_backward(lambda b, x: b(x)))
+    assert_exact(c_out, p_out)
+    assert_exact(c_grads, p_grads)
+
+
+@pytest.mark.parametrize("region_kind", ["module", "lambda"])
+def test_failed_recompute_leaves_batchnorm_buffers_untouched(region_kind):
+    class NarrowsOnRecompute(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+            self.narrow = False
+
+        def forward(self, x):
+            h = self.bn(x)
+            return (h[:, :2] if self.narrow else h).sin()
+
+    block = NarrowsOnRecompute().train()
+    x = leaf(5, 4)
+    out = checkpoint(block if region_kind == "module" else (lambda t: block(t)), x)
+    buffers = dict(block.bn.named_buffers())
+    values = {k: v.clone() for k, v in buffers.items()}
+    block.narrow = True
+    with pytest.raises(CheckpointError, match="shape"):
+        out.sum().backward()
+    for name, tensor in block.bn.named_buffers():
+        assert tensor is buffers[name], f"{name} was not put back"
+        assert torch.equal(tensor, values[name]), f"{name} changed"
+    assert not is_recomputing()
+    block.narrow = False
+    block(x).sum().backward()  # a plain step afterwards updates the statistics normally
+    assert block.bn.num_batches_tracked.item() == 2
 
 
 def test_densenet_feature_list_grown_after_the_call(assert_exact):
