@@ -541,6 +541,40 @@ def test_preset_without_presets_module_is_a_clear_error():
         apply_preset(make("vit"), 3)
 
 
+needs_presets = pytest.mark.skipif(not HAS_PRESETS, reason="vision_ckpt.presets not available")
+
+
+@needs_presets
+def test_apply_preset_is_exact_at_every_level(assert_exact):
+    x, expected = _reference("timm_vit_tiny")
+    model = _timm_vit()
+    checkpointed = []
+    for level in range(6):
+        p = apply_preset(model, level)
+        assert p.pinned_training_level == level
+        assert all(e.origin.startswith("preset ") for e in p)
+        checkpointed.append(len(p.checkpointed))
+        model.zero_grad(set_to_none=True)
+        assert_exact(_step(model, x)[:3], expected[:3])
+    assert checkpointed[0] == 0 and checkpointed[-1] > 0
+
+
+@needs_presets
+def test_config_rules_override_the_preset_and_the_plan_says_so():
+    p = plan(
+        make("swin"),
+        {
+            "preset": "auto",
+            "training_checkpoint_level": 3,
+            "rules": [{"match": "stages.0", "level": 0}],
+        },
+    )
+    assert p["stages.0"].level == 0 and p["stages.0"].origin == "rules[0]"
+    others = [e for e in p if e.name != "stages.0"]
+    assert others and all(e.origin != "rules[0]" for e in others)
+    assert "rules[0]" in str(p)
+
+
 # --- doctests of the policy-layer modules -------------------------------------------------
 
 

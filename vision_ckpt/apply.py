@@ -140,7 +140,7 @@ class CheckpointPlan:
             )
         buffer = io.StringIO()
         Console(file=buffer, width=140, color_system=None, force_terminal=False).print(table)
-        return buffer.getvalue().rstrip() + "\n"
+        return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines()) + "\n"
 
 
 def _decide(entries: tuple[PlanEntry, ...], level: Level, nesting: str) -> tuple[PlanEntry, ...]:
