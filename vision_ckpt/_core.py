@@ -51,7 +51,7 @@ _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _graph_task_id = torch._C._current_graph_task_id
 _get_exec_group = getattr(torch._C, "_get_graph_exec_group", None)
-_BatchNorm = torch.nn.modules.batchnorm._BatchNorm
+_NormBase = torch.nn.modules.batchnorm._NormBase
 
 _DETERMINISM_CHECKS = ("default", "none")
 _FIX_TIP = (
@@ -380,7 +380,9 @@ def _autocast_contexts(state: tuple[Any, ...] | None, device_type: str, out: lis
 #
 # Recomputing a region runs its modules' forward a second time. For BatchNorm in training mode
 # that forward also updates running_mean, running_var and num_batches_tracked, so a plain
-# recomputation counts every batch twice. During a recomputation each training-mode BatchNorm of
+# recomputation counts every batch twice. The same holds for InstanceNorm with running stats and
+# for any module that keeps buffers under those names (timm's BatchNormAct2d, EvoNorm); below,
+# "BatchNorm" means all of them. During a recomputation each training-mode BatchNorm of
 # the region therefore works on fresh copies of its running buffers, and the originals are put
 # back when the recomputation ends (also when it stops early or raises): the recomputed
 # normalisation, which uses batch statistics in training mode, is unchanged, and the real
@@ -394,6 +396,17 @@ def _autocast_contexts(state: tuple[Any, ...] | None, device_type: str, out: lis
 # recomputation runs, so ordinary forwards keep torch's fast module-call path.
 
 _BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _has_running_stats(module: torch.nn.Module) -> bool:
+    """BatchNorm/InstanceNorm (``_NormBase``), or any module owning running-statistics buffers
+    (timm's BatchNormAct2d and EvoNorm variants, custom norms following torch's naming)."""
+    if isinstance(module, _NormBase):
+        return True
+    buffers = module._buffers
+    return bool(buffers) and any(buffers.get(k) is not None for k in _BN_BUFFERS)
+
+
 _UNKNOWN_MODULES: list[torch.nn.Module] = []  # sentinel: the region's modules are not known
 
 
@@ -403,7 +416,7 @@ def _region_batchnorms(fn: Any) -> list[torch.nn.Module]:
         module = getattr(fn, "__vision_ckpt_module__", None)
         if not isinstance(module, torch.nn.Module):
             return _UNKNOWN_MODULES
-    found: list[torch.nn.Module] = [module] if isinstance(module, _BatchNorm) else []
+    found: list[torch.nn.Module] = [module] if _has_running_stats(module) else []
     _collect_batchnorms(module, found)
     return found
 
@@ -412,13 +425,13 @@ def _collect_batchnorms(module: torch.nn.Module, found: list[torch.nn.Module]) -
     # A plain walk over _modules: named_modules() builds prefix strings we do not need.
     for child in module._modules.values():
         if child is not None:
-            if isinstance(child, _BatchNorm):
+            if _has_running_stats(child):
                 found.append(child)
             _collect_batchnorms(child, found)
 
 
 def _swap_in_copies(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    if not (module.training and module.track_running_stats):
+    if not (module.training and getattr(module, "track_running_stats", True)):
         return None
     buffers = module._buffers
     originals = {k: buffers[k] for k in _BN_BUFFERS if buffers.get(k) is not None}
@@ -428,7 +441,7 @@ def _swap_in_copies(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
 
 
 def _bn_pre_hook(module: torch.nn.Module, args: Any) -> None:
-    if _state.recompute_depth and isinstance(module, _BatchNorm):
+    if _state.recompute_depth and _has_running_stats(module):
         originals = _swap_in_copies(module)
         if originals is not None:
             stash = _state.bn_stash
@@ -438,7 +451,7 @@ def _bn_pre_hook(module: torch.nn.Module, args: Any) -> None:
 
 def _bn_post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
     stash = _state.bn_stash
-    if _state.recompute_depth and stash and isinstance(module, _BatchNorm):
+    if _state.recompute_depth and stash and _has_running_stats(module):
         for i in range(len(stash) - 1, -1, -1):
             if stash[i][0] is module:
                 module._buffers.update(stash.pop(i)[1])
@@ -806,10 +819,11 @@ def checkpoint(
     try:
         if forward_ctx is None:
             out = function(*args, **kwargs)
+            finished = True
         else:
             with forward_ctx:
                 out = function(*args, **kwargs)
-        finished = True
+                finished = True
     finally:
         _pop_hooks()
         del frame._user_hooks
