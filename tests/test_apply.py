@@ -275,7 +275,7 @@ def test_an_instance_forward_that_was_there_is_kept_and_restored(assert_exact):
 def test_deepcopy_and_pickle_of_an_applied_model(case, core_calls, assert_exact):
     build, rules, shape = CASES[case]
     model = build()
-    # The selective policy object must survive the copies too (BatchNorm models: see the xfail).
+    # The selective policy object must survive the copies too.
     selective = {"save_ops": ["aten.mm", "aten.addmm"]} if case == "vit" else None
     apply(model, {"rules": rules, "selective": selective})
     x = torch.randn(shape)
@@ -425,12 +425,6 @@ def test_selective_save_ops_are_not_recomputed(op_counter, assert_exact):
     assert mm(counts["selective"]) < mm(counts["plain"])
 
 
-@pytest.mark.xfail(
-    reason="core: the BatchNorm guard clones running stats inside the recomputation, under the "
-    "selective-checkpoint dispatch mode, which then raises 'aten.clone.default encountered "
-    "during backward but not found in storage'. Passes once the core clones outside that mode.",
-    raises=RuntimeError,
-)
 def test_selective_with_batchnorm(assert_exact):
     x = torch.randn(2, 3, 8, 8)
     model = make("densenet")

@@ -1065,3 +1065,28 @@ def test_non_tensor_values_in_containers_are_captured_at_call_time(assert_exact)
     (p_out, p_grads), (c_out, c_grads) = run_twice(lambda: {"x": leaf(5, 6), "w": leaf(6, 7)}, step)
     assert_exact(c_out, p_out)
     assert_exact(c_grads, p_grads)
+
+
+def test_batchnorm_guard_is_invisible_to_selective_checkpointing_in_an_opaque_region() -> None:
+    """A lambda region hides its modules, so the guard works from global hooks; its buffer
+    copies must not reach the selective-checkpoint mode active during recomputation."""
+    import copy
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3)
+    )
+    twin = copy.deepcopy(net)
+    x = torch.randn(2, 3, 8, 8)
+    net(x).sum().backward()
+    policy = functools.partial(
+        create_selective_checkpoint_contexts, [torch.ops.aten.convolution.default]
+    )
+    checkpoint(lambda t: twin(t), x.clone().requires_grad_(), context_fn=policy).sum().backward()
+    for (name, a), b in zip(net.state_dict().items(), twin.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as _torch_ckpt
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import CheckpointError, _internal_assert
@@ -442,7 +443,10 @@ def _swap_in_copies(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
 
 def _bn_pre_hook(module: torch.nn.Module, args: Any) -> None:
     if _state.recompute_depth and _has_running_stats(module):
-        originals = _swap_in_copies(module)
+        # The copies are bookkeeping, not part of the region: hide them from dispatch modes
+        # (a selective-checkpoint mode would otherwise expect a matching op in the forward).
+        with _disable_current_modes():
+            originals = _swap_in_copies(module)
         if originals is not None:
             stash = _state.bn_stash
             _internal_assert(stash is not None, "BatchNorm stash missing during recomputation")
@@ -506,14 +510,16 @@ def _recompute(frame: _Frame, gid: int) -> None:
     state = _state
     outer_depth = state.region_depth
     grad_was_enabled = torch.is_grad_enabled()
+    # The buffer copies are made before the recompute contexts are entered: a selective-
+    # checkpoint mode in recompute_ctx must see exactly the region's own operators.
+    mark = _enter_bn_guard(frame.batchnorms)
+    rng_now = _swap_rng(frame.rng) if frame.rng is not None else None
     contexts = _recompute_contexts(frame)
     stack = contextlib.ExitStack() if contexts else None
-    rng_now = _swap_rng(frame.rng) if frame.rng is not None else None
     try:
         if stack is not None:
             for ctx in contexts:
                 stack.enter_context(ctx)
-        mark = _enter_bn_guard(frame.batchnorms)
         torch._C._set_grad_enabled(True)
         state.region_depth = 1  # see NOTE [ Nested checkpoints ]
         state.recompute_depth += 1
@@ -529,12 +535,12 @@ def _recompute(frame: _Frame, gid: int) -> None:
             state.recompute_depth -= 1
             state.region_depth = outer_depth
             torch._C._set_grad_enabled(grad_was_enabled)
-            _exit_bn_guard(frame.batchnorms, mark)
     finally:
         if stack is not None:
             stack.close()
         if rng_now is not None:
             _swap_rng(rng_now)
+        _exit_bn_guard(frame.batchnorms, mark)
     frame.done.add(gid)
     _check_recomputed(frame, pack)
 
