@@ -14,8 +14,13 @@ from vision_ckpt import CheckpointConfig, ConfigError, Level, LevelRule, Selecti
 from vision_ckpt.config import parse_memory_budget
 
 ROOT = Path(__file__).resolve().parents[1]
+# configs/train/ holds training-run configs (examples/_train_config.py validates them in
+# tests/test_examples.py); they embed a checkpoint config under `checkpoint:`.
 CONFIG_FILES = sorted(
-    p for p in (ROOT / "configs").rglob("*") if p.suffix.lower() in (".yaml", ".yml", ".json")
+    p
+    for p in (ROOT / "configs").rglob("*")
+    if p.suffix.lower() in (".yaml", ".yml", ".json")
+    and p.relative_to(ROOT / "configs").parts[0] != "train"
 )
 SCHEMAS: list[type[BaseModel]] = [CheckpointConfig, LevelRule, SelectiveConfig]
 # A rule without a level says nothing, so LevelRule.level is the one field with no default.
