@@ -16,6 +16,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# The suite runs tiny models, where intra-op threads only add scheduling overhead; on a busy
+# machine OpenMP's spinning worker threads made single steps up to 100x slower. One thread keeps
+# the suite fast and its timings stable. (Benchmarks and examples keep torch's default.)
+torch.set_num_threads(1)
+
 
 def _assert_exact(actual: Any, expected: Any, where: str = "value") -> None:
     if isinstance(expected, torch.Tensor):

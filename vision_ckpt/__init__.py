@@ -32,6 +32,15 @@ from .errors import (
     VisionCkptInternalError as VisionCkptInternalError,
 )
 from .levels import Level as Level, is_checkpointed as is_checkpointed, parse_level as parse_level
+from .profile import (
+    BudgetPlan as BudgetPlan,
+    LevelProfile as LevelProfile,
+    ProfileResult as ProfileResult,
+    Suggestion as Suggestion,
+    plan_for_budget as plan_for_budget,
+    profile as profile,
+    suggest_level as suggest_level,
+)
 from .wrapper import (
     ActivationCheckpointing as ActivationCheckpointing,
     get_training_level as get_training_level,
@@ -66,4 +75,11 @@ __all__ = [
     "apply",
     "remove",
     "apply_preset",
+    "profile",
+    "suggest_level",
+    "plan_for_budget",
+    "ProfileResult",
+    "LevelProfile",
+    "Suggestion",
+    "BudgetPlan",
 ]

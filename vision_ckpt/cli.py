@@ -1,13 +1,255 @@
-"""The ``vision-ckpt`` command line: the only code in vision_ckpt that prints or exits."""
+"""The ``vision-ckpt`` command line: the only code in vision_ckpt that prints or exits.
+
+Subcommands: ``profile`` (memory and time per level), ``plan`` (which modules a level
+checkpoints), ``suggest`` (a level for a memory budget), ``presets`` and ``schema``.
+Every error is one line on stderr and a non-zero exit code: 2 for bad arguments or configs,
+1 when the measurement itself fails.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import sys
+from pathlib import Path
+from typing import Any
 
 from ._version import __version__
+from .errors import VisionCkptError
 
 __all__ = ["main"]
+
+
+class _UsageError(Exception):
+    """A command-line argument that cannot be used; becomes exit code 2."""
+
+
+def _level_range(text: str) -> list[int]:
+    """``"0-5"``, ``"3"`` or ``"0,2,5"`` -> levels; each must be 0-5."""
+    levels: set[int] = set()
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                lo, hi = (int(v) for v in part.split("-", 1))
+                if lo > hi:
+                    raise ValueError
+                levels.update(range(lo, hi + 1))
+            else:
+                levels.add(int(part))
+    except ValueError:
+        raise _UsageError(
+            f"--levels {text!r} is not a level range; write e.g. '0-5', '3' or '0,2,5'"
+        ) from None
+    bad = sorted(v for v in levels if not 0 <= v <= 5)
+    if bad or not levels:
+        raise _UsageError(f"--levels {text!r} has levels outside 0-5: {bad}; levels are 0-5")
+    return sorted(levels)
+
+
+def _create_model(name: str, img_size: int | None, device: str) -> Any:
+    import timm
+    import torch
+
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
+        hint = f"; did you mean: {', '.join(close)}?" if close else ""
+        raise _UsageError(f"unknown timm model {name!r}{hint} (see timm.list_models())")
+    kwargs: dict[str, Any] = {"pretrained": False}
+    model = None
+    if img_size is not None:
+        try:
+            model = timm.create_model(name, img_size=img_size, **kwargs)
+        except TypeError:
+            model = None  # the family takes any input size
+    if model is None:
+        model = timm.create_model(name, **kwargs)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise _UsageError("--device cuda was given but torch sees no CUDA device")
+    return model.to(device)
+
+
+def _input_for(model: Any, batch_size: int, img_size: int | None, device: str) -> Any:
+    import torch
+
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    channels, height, width = cfg.get("input_size", (3, 224, 224))
+    if img_size is not None:
+        height = width = img_size
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, channels, height, width, generator=generator).to(device)
+
+
+def _load_config(path: str | None) -> Any:
+    if path is None:
+        return None
+    from .config import CheckpointConfig
+
+    return CheckpointConfig.from_file(path)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:  # pipes and files: do not squeeze the table into 80 columns
+        console.width = 160
+    return console
+
+
+def _fmt_bytes(value: int | None) -> str:
+    from ._memory import format_bytes
+
+    return "-" if value is None else format_bytes(value)
+
+
+def _profile_table(result: Any) -> Any:
+    from rich.table import Table
+
+    table = Table(
+        title=(
+            f"{result.model}: batch {result.batch_size}, input {tuple(result.input_shape)}, "
+            f"{result.device}, median of {result.steps} steps"
+        )
+    )
+    for column in ("level", "regions", "peak", "activations", "saved for bwd", "saving vs 0"):
+        table.add_column(column, justify="right")
+    table.add_column("step time", justify="right")
+    table.add_column("slowdown", justify="right")
+    has_cuda = any(e.cuda_peak_bytes is not None for e in result.levels)
+    if has_cuda:
+        table.add_column("cuda peak", justify="right")
+    for e in result.levels:
+        if e.skipped is not None:
+            row = [str(e.level), str(e.regions), e.skipped, "", "", "", "", ""]
+        else:
+            row = [
+                str(e.level),
+                str(e.regions),
+                _fmt_bytes(e.peak_bytes),
+                _fmt_bytes(e.activation_bytes),
+                _fmt_bytes(e.saved_bytes),
+                "-" if e.saving is None else f"{e.saving:.1%}",
+                "-" if e.step_time_s is None else f"{e.step_time_s * 1000:.0f} ms",
+                "-" if e.time_ratio is None else f"{e.time_ratio:.2f}x",
+            ]
+        if has_cuda:
+            row.append(_fmt_bytes(e.cuda_peak_bytes))
+        table.add_row(*row)
+    return table
+
+
+def _plot(result: Any, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [e for e in result.levels if e.skipped is None]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    xs = [e.time_ratio or 1.0 for e in points]
+    ys = [(e.peak_bytes or 0) / 2**20 for e in points]
+    ax.plot(xs, ys, marker="o")
+    for e, x, y in zip(points, xs, ys, strict=True):
+        ax.annotate(f"level {e.level}", (x, y), textcoords="offset points", xytext=(5, 5))
+    ax.set_xlabel("step time relative to level 0")
+    ax.set_ylabel("step peak memory (MiB)")
+    ax.set_title(f"{result.model}, batch {result.batch_size}: memory vs time by level")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from .profile import profile
+
+    levels = _level_range(args.levels)
+    config = _load_config(args.config)
+    model = _create_model(args.model, args.img_size, args.device)
+    x = _input_for(model, args.batch_size, args.img_size, args.device)
+    console = _console()
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"profiling {args.model}", total=len(levels))
+
+        def advance(entry: Any) -> None:
+            progress.advance(task)
+            progress.update(task, description=f"profiling {args.model}: level {entry.level} done")
+
+        result = profile(
+            model,
+            x,
+            levels=levels,
+            config=config,
+            steps=args.steps,
+            memory_limit=args.memory_limit,
+            on_level=advance,
+            model_name=args.model,
+        )
+    console.print(_profile_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        _plot(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .apply import plan as make_plan
+    from .config import CheckpointConfig
+    from .wrapper import training_level
+
+    config = _load_config(args.config) or CheckpointConfig(preset="auto")
+    model = _create_model(args.model, args.img_size, "cpu")
+    with training_level(args.level):
+        plan = make_plan(model, config.model_copy(update={"training_checkpoint_level": None}))
+        _console().print(str(plan))
+    return 0
+
+
+def _cmd_suggest(args: argparse.Namespace) -> int:
+    from .profile import suggest_level
+
+    config = _load_config(args.config)
+    model = _create_model(args.model, args.img_size, args.device)
+    small = max(2, args.batch_size // 4)
+    x = _input_for(model, small, args.img_size, args.device)
+    suggestion = suggest_level(
+        model, x, args.budget, batch_size=args.batch_size, config=config, margin=args.margin
+    )
+    console = _console()
+    from rich.table import Table
+
+    table = Table(title=f"{args.model}: predicted step peak at batch {args.batch_size}")
+    table.add_column("level", justify="right")
+    table.add_column("predicted peak", justify="right")
+    table.add_column("fits", justify="center")
+    for level, peak in suggestion.predicted_peak.items():
+        fits = peak * (1 + suggestion.margin) <= suggestion.budget_bytes
+        table.add_row(str(level), _fmt_bytes(peak), "yes" if fits else "no")
+    console.print(table)
+    console.print(suggestion.explain())
+    return 0 if suggestion.fits else 1
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    from . import presets
+
+    for name in presets.list_presets(args.filter):
+        print(name)
+    return 0
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from .config import CheckpointConfig
+
+    print(json.dumps(CheckpointConfig.json_schema(), indent=2))
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -16,15 +258,68 @@ def _parser() -> argparse.ArgumentParser:
         description="Activation checkpointing for vision models: levels 0-5, one training level.",
     )
     parser.add_argument("--version", action="version", version=f"vision-ckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def model_args(p: argparse.ArgumentParser, batch: int | None) -> None:
+        p.add_argument("--model", required=True, help="a timm model name, e.g. convnext_tiny")
+        if batch is not None:
+            p.add_argument("--batch-size", type=int, default=batch, help="batch size")
+        p.add_argument("--img-size", type=int, default=None, help="input height and width")
+        p.add_argument("--config", default=None, help="a checkpoint config (.yaml/.yml/.json)")
+
+    p = sub.add_parser("profile", help="memory and time of a training step at each level")
+    model_args(p, 16)
+    p.add_argument("--levels", default="0-5", help="levels to profile, e.g. 0-5 or 0,3,5")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per level (median)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--memory-limit", default=None, help="skip levels predicted above this")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--plot", default=None, help="write a memory-vs-time plot (PNG)")
+    p.set_defaults(run=_cmd_profile)
+
+    p = sub.add_parser("plan", help="the modules a level checkpoints, as plan() reports them")
+    model_args(p, None)
+    p.add_argument("--level", type=int, choices=range(6), default=3, help="training level")
+    p.set_defaults(run=_cmd_plan)
+
+    p = sub.add_parser("suggest", help="the lowest level whose step fits a memory budget")
+    model_args(p, 64)
+    p.add_argument("--budget", required=True, help="memory budget, e.g. 8GiB or '8 GB'")
+    p.add_argument("--margin", type=float, default=0.05, help="share of the budget kept free")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.set_defaults(run=_cmd_suggest)
+
+    p = sub.add_parser("presets", help="list the bundled presets")
+    p.add_argument("filter", nargs="?", default=None, help="a glob on preset names")
+    p.set_defaults(run=_cmd_presets)
+
+    p = sub.add_parser("schema", help="print the config's JSON schema")
+    p.set_defaults(run=_cmd_schema)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``vision-ckpt`` console script; returns the exit code."""
+    """Entry point of the ``vision-ckpt`` console script; returns the exit code.
+
+    >>> main(["--version"])  # doctest: +SKIP
+    vision-ckpt 0.1.0
+    """
     parser = _parser()
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    args = parser.parse_args(argv)
+    if getattr(args, "run", None) is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.run(args))
+    except _UsageError as exc:
+        print(f"vision-ckpt: error: {exc}", file=sys.stderr)
+        return 2
+    except (VisionCkptError, ValueError, OSError) as exc:
+        message = str(exc).strip().replace("\n", " ")
+        print(f"vision-ckpt: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # pragma: no cover
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,157 @@
+"""The profiler: deterministic numbers, level trends, budget suggestions and per-block plans."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+import vision_ckpt
+from vision_ckpt import profile, suggest_level
+from vision_ckpt._memory import track_peak_memory
+from vision_ckpt.profile import _batch_of, _measure_memory, default_loss, plan_for_budget
+
+
+def _mobilenet() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=10)
+
+
+def _vit() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=64, patch_size=8, depth=4, num_classes=10
+    )
+
+
+def _convnext() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model("convnext_atto", pretrained=False, num_classes=10)
+
+
+def _x(batch: int = 2, size: int = 64) -> torch.Tensor:
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
+
+
+def _measured_peak(model: torch.nn.Module, x: torch.Tensor, level: int) -> int:
+    plan = vision_ckpt.apply(model, vision_ckpt.CheckpointConfig(preset="auto"))
+    try:
+        with vision_ckpt.training_level(level):
+            peak = _measure_memory(model, x, default_loss, None, x.device)[0]
+    finally:
+        vision_ckpt.remove(model)
+    assert len(plan) > 0
+    return peak
+
+
+def test_profile_reports_every_level_with_falling_memory_and_rising_recompute() -> None:
+    result = profile(_mobilenet(), _x(), levels=[0, 3, 5], steps=1)
+    assert [e.level for e in result.levels] == [0, 3, 5]
+    l0, l3, l5 = result.levels
+    assert l0.regions == 0 and l5.regions > l3.regions > 0
+    assert l0.saved_bytes > l3.saved_bytes > l5.saved_bytes
+    assert l0.peak_bytes > l3.peak_bytes >= l5.peak_bytes
+    assert l0.activation_bytes > l5.activation_bytes
+    assert l0.backward_flops < l3.backward_flops <= l5.backward_flops
+    assert l0.time_ratio == pytest.approx(1.0) and l0.saving == pytest.approx(0.0)
+    assert all(e.step_time_s > 0 and e.activation_bytes > 0 for e in result.levels)
+    assert result.batch_size == 2 and result.input_shape == (2, 3, 64, 64)
+
+
+def test_profile_memory_is_deterministic_across_runs() -> None:
+    model, x = _vit(), _x()
+    first = profile(model, x, levels=[0, 2, 5], steps=1, flops=False)
+    second = profile(model, x, levels=[0, 2, 5], steps=1, flops=False)
+    for a, b in zip(first.levels, second.levels, strict=True):
+        assert (a.peak_bytes, a.activation_bytes, a.saved_bytes) == (
+            b.peak_bytes,
+            b.activation_bytes,
+            b.saved_bytes,
+        )
+
+
+def test_profile_restores_the_model() -> None:
+    model = _mobilenet()
+    keys = list(model.state_dict())
+    profile(model, _x(), levels=[5], steps=1, flops=False)
+    assert list(model.state_dict()) == keys
+    calls = []
+    original = vision_ckpt._core.checkpoint
+    vision_ckpt._core.checkpoint = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        model(_x()).sum().backward()
+    finally:
+        vision_ckpt._core.checkpoint = original
+    assert calls == []
+
+
+def test_profile_skips_levels_over_the_memory_limit_instead_of_running_them() -> None:
+    model, x = _mobilenet(), _x(4)
+    peak0 = _measured_peak(model, x, 0)
+    peak5 = _measured_peak(model, x, 5)
+    limit = (peak0 + peak5) // 2
+    result = profile(model, x, levels=[0, 5], steps=1, flops=False, memory_limit=limit)
+    assert result.level(0).skipped is not None and "memory_limit" in result.level(0).skipped
+    assert result.level(0).peak_bytes is None
+    assert result.level(5).skipped is None and result.level(5).peak_bytes == peak5
+
+
+def test_profile_rejects_bad_arguments() -> None:
+    with pytest.raises(vision_ckpt.LevelError, match="profiled level 7 is not a checkpoint level"):
+        profile(_mobilenet(), _x(), levels=[0, 7])
+    with pytest.raises(vision_ckpt.ConfigError, match="steps=0 is not valid"):
+        profile(_mobilenet(), _x(), levels=[0], steps=0)
+    with pytest.raises(vision_ckpt.ConfigError, match="memory budget 'lots' is not a memory size"):
+        profile(_mobilenet(), _x(), levels=[0], memory_limit="lots")
+
+
+@pytest.mark.parametrize(
+    "make", [_mobilenet, _vit, _convnext], ids=["mobilenetv3", "vit", "convnext"]
+)
+def test_predicted_peak_is_within_ten_percent_of_the_measured_peak(make) -> None:
+    model = make()
+    example = _x(2)
+    suggestion = suggest_level(model, example, "64GiB", batch_size=16, levels=[0, 3, 5])
+    for level, predicted in suggestion.predicted_peak.items():
+        measured = _measured_peak(model, _batch_of(example, 16), level)
+        assert abs(predicted - measured) <= 0.10 * measured, (level, predicted, measured)
+
+
+def test_suggest_level_picks_the_lowest_level_whose_measured_peak_fits() -> None:
+    model, example = _mobilenet(), _x(2)
+    peaks = {lv: _measured_peak(model, _batch_of(example, 8), lv) for lv in (0, 5)}
+    budget = (peaks[0] + peaks[5]) // 2
+    suggestion = suggest_level(model, example, budget, batch_size=8, margin=0.0)
+    assert suggestion.fits and suggestion.level > 0
+    assert _measured_peak(model, _batch_of(example, 8), suggestion.level) <= budget
+    assert all(
+        suggestion.predicted_peak[lv] > budget
+        for lv in suggestion.predicted_peak
+        if lv < suggestion.level
+    )
+
+
+def test_suggest_level_says_when_nothing_fits() -> None:
+    suggestion = suggest_level(_mobilenet(), _x(2), "1MiB", batch_size=8, levels=[0, 5])
+    assert not suggestion.fits and suggestion.level is None
+    assert "no level fits" in suggestion.explain()
+    assert suggestion.smallest_peak == min(suggestion.predicted_peak.values())
+
+
+def test_plan_for_budget_fits_between_uniform_levels_and_checkpoints_less() -> None:
+    model, example = _mobilenet(), _x(2)
+    target = _batch_of(example, 8)
+    peak0 = _measured_peak(model, target, 0)
+    peak5 = _measured_peak(model, target, 5)
+    budget = (peak0 + peak5) // 2
+    result = plan_for_budget(model, example, budget, batch_size=8, margin=0.0)
+    assert result.config is not None and result.blocks
+    assert len(result.blocks) < len(result.candidates)
+    vision_ckpt.apply(model, result.config)
+    try:
+        with track_peak_memory(model, target) as mem:
+            default_loss(model(target)).backward()
+        model.zero_grad(set_to_none=True)
+    finally:
+        vision_ckpt.remove(model)
+    assert mem.peak_bytes <= budget
