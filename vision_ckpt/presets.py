@@ -365,7 +365,7 @@ def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
     >>> m = timm.create_model("resnet18", pretrained=False)
     >>> rule, origin = preset_rules(m, "auto")[0]
     >>> origin
-    'preset resnet #0'
+    'preset resnet #1'
     """
     if _normalise(preset) == "auto":
         name = preset_for_model(model)

@@ -1,0 +1,419 @@
+"""Preset files, the registry, resolution of a model to its preset, and the fallback.
+
+Models here are built on the ``meta`` device: only their module trees are needed, so even the
+full-size architectures cost nothing. ``test_presets_zoo.py`` runs the presets on real tensors.
+"""
+
+from __future__ import annotations
+
+import doctest
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torchvision.models as tvm
+from torch import nn
+
+from vision_ckpt import ConfigError, presets
+from vision_ckpt.apply import plan
+from vision_ckpt.config import CheckpointConfig, LevelRule
+from vision_ckpt.matching import ModuleMatcher
+from vision_ckpt.presets import (
+    fallback_rules,
+    list_presets,
+    load_preset,
+    preset_for_model,
+    preset_rules,
+    register_preset,
+)
+
+PRESET_FILES = sorted((Path(__file__).parent.parent / "configs" / "presets").glob("*.yaml"))
+
+
+def _meta_timm(name: str, **kwargs: object) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return timm.create_model(name, pretrained=False, **kwargs)
+
+    return make
+
+
+def _meta_tv(name: str) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        with torch.device("meta"):
+            return getattr(tvm, name)(weights=None)
+
+    return make
+
+
+# Full-size members of every family, with the preset each must resolve to. Every rule of every
+# preset must select modules in at least one of its family's models here.
+FAMILY_MODELS: dict[str, list[tuple[str, Callable[[], nn.Module]]]] = {
+    "vit": [
+        ("vit_small_patch16_224", _meta_timm("vit_small_patch16_224")),
+        ("deit_tiny_distilled_patch16_224", _meta_timm("deit_tiny_distilled_patch16_224")),
+        ("deit3_small_patch16_224", _meta_timm("deit3_small_patch16_224")),
+    ],
+    "vit_hybrid": [
+        ("vit_small_r26_s32_224", _meta_timm("vit_small_r26_s32_224")),
+        ("vit_small_resnet26d_224", _meta_timm("vit_small_resnet26d_224")),
+    ],
+    "beit": [("beit_base_patch16_224", _meta_timm("beit_base_patch16_224"))],
+    "eva": [("eva02_tiny_patch14_224", _meta_timm("eva02_tiny_patch14_224"))],
+    "swin": [
+        ("swin_tiny_patch4_window7_224", _meta_timm("swin_tiny_patch4_window7_224")),
+        ("swinv2_tiny_window8_256", _meta_timm("swinv2_tiny_window8_256")),
+    ],
+    "convnext": [
+        ("convnext_tiny", _meta_timm("convnext_tiny")),
+        ("convnextv2_atto", _meta_timm("convnextv2_atto")),
+    ],
+    "resnet": [
+        ("resnet50", _meta_timm("resnet50")),
+        ("seresnext26d_32x4d", _meta_timm("seresnext26d_32x4d")),
+        ("resnext50_32x4d", _meta_timm("resnext50_32x4d")),
+    ],
+    "regnet": [
+        ("regnetx_002", _meta_timm("regnetx_002")),
+        ("regnety_002", _meta_timm("regnety_002")),
+    ],
+    "densenet": [("densenet121", _meta_timm("densenet121"))],
+    "efficientnet": [("efficientnet_b0", _meta_timm("efficientnet_b0"))],
+    "mobilenetv3": [("mobilenetv3_large_100", _meta_timm("mobilenetv3_large_100"))],
+    "maxxvit": [
+        ("maxvit_tiny_tf_224", _meta_timm("maxvit_tiny_tf_224")),
+        ("coatnet_0_224", _meta_timm("coatnet_0_224")),
+    ],
+    "pvt_v2": [("pvt_v2_b0", _meta_timm("pvt_v2_b0"))],
+    "tv_resnet": [("torchvision resnet50", _meta_tv("resnet50"))],
+    "tv_densenet": [("torchvision densenet121", _meta_tv("densenet121"))],
+    "tv_swin": [
+        ("torchvision swin_t", _meta_tv("swin_t")),
+        ("torchvision swin_v2_t", _meta_tv("swin_v2_t")),
+    ],
+    "tv_vit": [("torchvision vit_b_16", _meta_tv("vit_b_16"))],
+}
+
+
+def _selected(rule: LevelRule, model: nn.Module) -> list[str]:
+    matcher = ModuleMatcher(rule.match, rule.match_type)
+    return [
+        name
+        for name, module in model.named_modules()
+        if matcher.matches(
+            name,
+            type(module).__name__,
+            f"{type(module).__module__}.{type(module).__qualname__}",
+        )
+    ]
+
+
+# --- the files -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PRESET_FILES, ids=[p.stem for p in PRESET_FILES])
+def test_preset_file_validates(path: Path) -> None:
+    cfg = CheckpointConfig.from_file(path)
+    assert cfg.preset is None, "a preset holds rules only"
+    assert cfg.rules, "a preset without rules says nothing"
+    assert cfg.training_checkpoint_level is None, "the run sets the training level, not a preset"
+    assert load_preset(path.stem) == cfg
+
+
+def test_every_file_is_listed_and_has_models() -> None:
+    assert [p.stem for p in PRESET_FILES] != []
+    assert set(list_presets()) >= {p.stem for p in PRESET_FILES}
+    assert set(FAMILY_MODELS) == {p.stem for p in PRESET_FILES}
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILY_MODELS))
+def test_every_rule_selects_modules_in_its_family(preset: str) -> None:
+    cfg = load_preset(preset)
+    models = [(label, make()) for label, make in FAMILY_MODELS[preset]]
+    for i, rule in enumerate(cfg.rules):
+        hits = {label: _selected(rule, model) for label, model in models}
+        assert any(hits.values()), f"preset {preset} rules[{i}] ({rule}) selects nothing"
+    for label, model in models:
+        # Rules select modules that run a forward (never a ModuleList), and a level above the
+        # sub-blocks exists.
+        levels = set()
+        for rule in cfg.rules:
+            for name in _selected(rule, model):
+                module = model.get_submodule(name)
+                assert type(module).forward is not nn.Module.forward, (preset, label, name)
+                levels.add(int(rule.level))
+        assert max(levels) >= 3, (preset, label, sorted(levels))
+
+
+# --- listing and loading -------------------------------------------------------------------
+
+
+def test_list_presets_natural_order_and_filter() -> None:
+    names = list_presets()
+    assert names == sorted(names, key=presets._natural_key)
+    assert list_presets("tv_*") == ["tv_densenet", "tv_resnet", "tv_swin", "tv_vit"]
+    assert list_presets("*vit*") == ["maxxvit", "tv_vit", "vit", "vit_hybrid"]
+    assert list_presets("nothing*") == []
+
+
+def test_natural_key_sorts_numbers_as_numbers() -> None:
+    assert sorted(["net10", "net2", "net1"], key=presets._natural_key) == ["net1", "net2", "net10"]
+
+
+def test_unknown_preset_lists_names_and_close_matches() -> None:
+    with pytest.raises(ConfigError, match=r"unknown preset 'swim'; did you mean 'swin'\?") as exc:
+        load_preset("swim")
+    for name in list_presets():
+        assert name in str(exc.value)
+    with pytest.raises(ConfigError, match=r"unknown preset 'zzz'; available presets: beit, "):
+        load_preset("zzz")
+
+
+def test_load_preset_normalises_the_name() -> None:
+    assert load_preset("PVT-V2") is load_preset("pvt_v2")
+
+
+def test_presets_dir_points_at_the_shipped_files() -> None:
+    assert presets.presets_dir().resolve() == PRESET_FILES[0].parent.resolve()
+
+
+# --- resolution ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("preset", "label"),
+    [(p, label) for p, models in sorted(FAMILY_MODELS.items()) for label, _ in models],
+)
+def test_preset_for_model(preset: str, label: str) -> None:
+    make = dict(FAMILY_MODELS[preset])[label]
+    assert preset_for_model(make()) == preset
+
+
+def test_timm_and_torchvision_classes_of_one_name_stay_apart() -> None:
+    assert preset_for_model(_meta_timm("resnet18")()) == "resnet"
+    assert preset_for_model(_meta_tv("resnet18")()) == "tv_resnet"
+
+
+def test_subclass_resolves_through_its_base() -> None:
+    # DeiT's distilled model subclasses VisionTransformer; no preset names it.
+    model = _meta_timm("deit_tiny_distilled_patch16_224")()
+    assert type(model).__name__ == "VisionTransformerDistilled"
+    assert preset_for_model(model) == "vit"
+
+
+def test_architecture_pattern_beats_plain_class() -> None:
+    plain = _meta_timm("vit_small_patch16_224")()
+    hybrid = _meta_timm("vit_base_r50_s16_224")()
+    assert type(plain) is type(hybrid)
+    assert (preset_for_model(plain), preset_for_model(hybrid)) == ("vit", "vit_hybrid")
+
+
+def test_unknown_model_resolves_to_none() -> None:
+    assert preset_for_model(nn.Sequential(nn.Linear(2, 2))) is None
+    assert preset_for_model(_meta_timm("test_byobnet")()) is None
+
+
+class _TieNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        self.pretrained_cfg = {"architecture": "tie_net_small"}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    monkeypatch.setattr(presets, "_selectors", list(presets._selectors))
+    monkeypatch.setattr(presets, "_registered", dict(presets._registered))
+    monkeypatch.setattr(presets, "_cache", dict(presets._cache))
+
+
+def test_equally_specific_presets_are_a_tie(scratch_registry) -> None:
+    rules = CheckpointConfig(rules=[{"match": "body", "level": 3}])
+    cls = f"{__name__}._TieNet"
+    register_preset("tie_a", rules, architectures=[(cls, "tie_*")])  # 4 literal characters
+    register_preset("tie_b", rules, architectures=[(cls, "*mall")])  # 4 as well
+    with pytest.raises(ConfigError, match=r"matches presets 'tie_a', 'tie_b' equally well"):
+        preset_for_model(_TieNet())
+    register_preset("tie_c", rules, architectures=[(cls, "tie_net_small")])
+    assert preset_for_model(_TieNet()) == "tie_c"  # most literal characters wins
+
+
+def test_register_preset(scratch_registry, tmp_path: Path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("rules:\n  - match: body\n    level: 4\n")
+    register_preset("mine", path, classes=["_TieNet"])
+    assert "mine" in list_presets()
+    assert preset_for_model(_TieNet()) == "mine"
+    assert [(int(r.level), o) for r, o in preset_rules(_TieNet(), "auto")] == [
+        (4, "preset mine #0")
+    ]
+
+
+def test_register_preset_rejects_nested_presets(scratch_registry) -> None:
+    with pytest.raises(ConfigError, match=r"sets 'preset: vit'; a preset holds rules only"):
+        register_preset("bad", CheckpointConfig(preset="vit", rules=[{"match": "x", "level": 1}]))
+    with pytest.raises(ConfigError, match=r"preset 'empty' has no rules"):
+        register_preset("empty", CheckpointConfig())
+
+
+# --- preset_rules and origins --------------------------------------------------------------
+
+
+def test_preset_rules_labels_and_drops_rules_that_select_nothing() -> None:
+    model = _meta_timm("resnet18")()  # no deep stem: rules[0] ('conv1' Sequential) selects nothing
+    pairs = preset_rules(model, "resnet")
+    cfg = load_preset("resnet")
+    assert [o for _, o in pairs] == [f"preset resnet #{i}" for i in range(1, len(cfg.rules))]
+    assert [r for r, _ in pairs] == list(cfg.rules[1:])
+    assert preset_rules(model, "auto") == pairs
+
+
+def test_preset_that_selects_nothing_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"preset 'swin' selects no module of ResNet .*'resnet'"):
+        preset_rules(_meta_timm("resnet18")(), "swin")
+
+
+def test_plan_reports_preset_origins() -> None:
+    model = _meta_timm("convnext_atto")()
+    p = plan(model, CheckpointConfig(training_checkpoint_level=3, preset="auto"))
+    assert p["stages.0.blocks.0"].origin == "preset convnext #3"
+    assert p["stages.0.blocks.0.mlp"].origin == "preset convnext #2"
+    assert p["stages"].level == 5
+
+
+# --- the fallback --------------------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attn = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.Linear(dim, dim))
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x + self.attn(x))
+
+
+class _Stage(nn.Module):
+    def __init__(self, dim: int, depth: int) -> None:
+        super().__init__()
+        self.down = nn.Sequential(nn.Linear(dim, dim), nn.LayerNorm(dim))
+        self.blocks = nn.ModuleList(_Block(dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.down(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _SwinLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(3, 8), nn.LayerNorm(8))
+        self.stages = nn.Sequential(_Stage(8, 2), _Stage(8, 1))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+def test_fallback_on_a_custom_model() -> None:
+    levels = {r.match: int(r.level) for r, o in fallback_rules(_SwinLike())}
+    assert levels == {
+        "stem": 1,  # Linear + LayerNorm: a layer with its norm
+        "stages": 5,  # the trunk
+        "stages.0": 4,
+        "stages.0.down": 1,
+        "stages.0.blocks.0": 3,
+        "stages.0.blocks.0.attn": 2,
+        "stages.0.blocks.0.mlp": 2,
+        "stages.0.blocks.1": 3,
+        "stages.0.blocks.1.attn": 2,
+        "stages.0.blocks.1.mlp": 2,
+        "stages.1": 4,
+        "stages.1.down": 1,
+        "stages.1.blocks.0": 3,
+        "stages.1.blocks.0.attn": 2,
+        "stages.1.blocks.0.mlp": 2,
+    }
+    assert "head" not in levels  # a lone Linear is never a level-1 unit
+
+
+def test_fallback_runs_and_is_exact() -> None:
+    torch.manual_seed(0)
+    model = _SwinLike()
+    x = torch.randn(4, 3)
+    ref = model(x).square().sum()
+    ref.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    from vision_ckpt.apply import apply, remove
+
+    applied = apply(model, CheckpointConfig(training_checkpoint_level=5, preset="auto"))
+    assert {e.origin for e in applied} == {"fallback"}
+    assert len(applied.checkpointed) == len(applied)
+    out = model(x).square().sum()
+    out.backward()
+    assert torch.equal(out, ref)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    remove(model)
+
+
+def test_fallback_names_are_exact_and_escaped() -> None:
+    model = nn.Sequential()
+    model.add_module("odd name", nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    model.add_module("b", nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    rules = [r.match for r, _ in fallback_rules(model)]
+    assert rules == ["re:odd\\ name", "b"]
+    assert _selected(LevelRule(match=rules[0], level=1), model) == ["odd name"]
+
+
+def test_fallback_on_timm_uses_group_matcher() -> None:
+    model = _meta_timm("test_byobnet")()
+    levels = {r.match: int(r.level) for r, _ in fallback_rules(model)}
+    assert {n for n, lv in levels.items() if lv == 4} == {f"stages.{i}" for i in range(4)}
+    assert levels["stages"] == 5
+    assert levels["stages.0.0"] == 3
+    assert preset_rules(model, "auto") == fallback_rules(model)
+
+
+def test_fallback_with_coarse_equal_to_fine_has_no_stages() -> None:
+    # ViT's group_matcher gives the same groups coarse and fine: blocks (3) and the trunk (5).
+    levels = {
+        r.match: int(r.level) for r, _ in fallback_rules(_meta_timm("vit_tiny_patch16_224")())
+    }
+    assert levels["blocks"] == 5 and levels["blocks.0"] == 3 and levels["blocks.0.mlp"] == 2
+    assert 4 not in levels.values()
+
+
+def test_fallback_skips_units_that_start_in_place() -> None:
+    unit = nn.Sequential(nn.ReLU(inplace=True), nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2))
+    assert not presets._is_unit(unit)
+    assert presets._is_unit(nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2), nn.ReLU(True)))
+    assert not presets._is_unit(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.ReLU()))
+
+
+def test_fallback_with_nothing_to_do_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"the fallback found nothing to checkpoint in Linear"):
+        fallback_rules(nn.Linear(2, 2))
+
+
+def test_doctests() -> None:
+    saved = (list(presets._selectors), dict(presets._registered), dict(presets._cache))
+    try:
+        result = doctest.testmod(presets, optionflags=doctest.ELLIPSIS)
+    finally:
+        presets._selectors[:] = saved[0]
+        presets._registered.clear()
+        presets._registered.update(saved[1])
+        presets._cache.clear()
+        presets._cache.update(saved[2])
+    assert result.failed == 0 and result.attempted > 5
