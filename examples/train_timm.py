@@ -201,14 +201,23 @@ def train(cfg: TrainConfig, console: Console | None = None) -> list[StepStats]:
     return history
 
 
-def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespace:
-    """The command line shared by ``train_timm.py`` and ``train_ddp.py``."""
+def parse_args(
+    argv: Sequence[str] | None, description: str, distributed: bool = False
+) -> argparse.Namespace:
+    """The command line shared by ``train_timm.py`` and (with ``distributed``) ``train_ddp.py``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", type=Path, required=True, help="a configs/train/*.yaml file")
     parser.add_argument(
         "--level", type=int, choices=range(6), help="override checkpoint.training_checkpoint_level"
     )
     parser.add_argument("--steps", type=int, help="override steps")
+    if distributed:
+        parser.add_argument(
+            "--fsdp", action="store_true", help="FSDP2 fully_shard on each block, not DDP"
+        )
+        parser.add_argument(
+            "--static-graph", action="store_true", help="DistributedDataParallel(static_graph=True)"
+        )
     return parser.parse_args(argv)
 
 
