@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import doctest
 import importlib
-import importlib.util
 import pickle
 from pathlib import Path
 
@@ -33,7 +32,6 @@ from vision_ckpt import (
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "configs" / "examples"
-HAS_PRESETS = importlib.util.find_spec("vision_ckpt.presets") is not None
 
 torch.set_num_threads(1)
 
@@ -527,18 +525,6 @@ def test_bad_config_argument_types():
         apply_preset(make("vit"), 8)
 
 
-@pytest.mark.skipif(HAS_PRESETS, reason="presets exist: their own tests cover preset plans")
-def test_preset_without_presets_module_is_a_clear_error():
-    with pytest.raises(
-        ConfigError, match=r"preset 'auto' was requested, but presets are not available"
-    ):
-        apply_preset(make("vit"), 3)
-
-
-needs_presets = pytest.mark.skipif(not HAS_PRESETS, reason="vision_ckpt.presets not available")
-
-
-@needs_presets
 def test_apply_preset_is_exact_at_every_level(assert_exact):
     x, expected = _reference("timm_vit_tiny")
     model = _timm_vit()
@@ -553,7 +539,6 @@ def test_apply_preset_is_exact_at_every_level(assert_exact):
     assert checkpointed[0] == 0 and checkpointed[-1] > 0
 
 
-@needs_presets
 def test_config_rules_override_the_preset_and_the_plan_says_so():
     p = plan(
         make("swin"),

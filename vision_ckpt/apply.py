@@ -190,15 +190,9 @@ def _has_forward(module: nn.Module) -> bool:
 
 
 def _preset_rules(model: nn.Module, preset: str) -> list[tuple[LevelRule, str]]:
-    try:
-        from . import presets
-    except ImportError as exc:
-        if exc.name not in ("vision_ckpt.presets", f"{__package__}.presets"):
-            raise
-        raise ConfigError(
-            f"preset {preset!r} was requested, but presets are not available in this version of "
-            "vision_ckpt (vision_ckpt.presets is missing); remove 'preset' and give 'rules'."
-        ) from None
+    # Imported on first use: plans that name no preset never load the YAML registry.
+    from . import presets
+
     return list(presets.preset_rules(model, preset))
 
 
