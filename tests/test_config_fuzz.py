@@ -4,7 +4,7 @@
 YAML type, random rule lists); ``CheckpointConfig.from_file`` gets the same dicts dumped as
 YAML and JSON, and random text. Every outcome must be a :class:`CheckpointConfig` or a
 :class:`vision_ckpt.ConfigError` (a :class:`vision_ckpt.VisionCkptError`). Inputs that
-found a raw exception are pinned by the ``xfail`` tests at the end (library bugs).
+once raised a raw exception are pinned by the regression tests at the end.
 """
 
 from __future__ import annotations
@@ -219,27 +219,12 @@ def test_from_file_on_random_json_text(text: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="vision_ckpt bug: config._describe drops location parts that contain '-', '[', ']' "
-    "or '(' (meant for pydantic's union-branch names), so an unknown top-level key such as "
-    "'training-checkpoint-level' leaves an empty location and loc[-1] raises IndexError "
-    "(nested, the message names the wrong key: 'rules[0]: unknown key 0')",
-)
 @pytest.mark.parametrize("key", ["training-checkpoint-level", "-", "rules[0]", "f(x)"])
 def test_unknown_key_with_a_dash_is_a_config_error(key: str) -> None:
     with pytest.raises(ConfigError, match="unknown key"):
         CheckpointConfig.model_validate({key: 3})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="vision_ckpt bug: parse_memory_budget does int(float(digits) * unit); a number with "
-    "more than ~308 digits is float('inf') and int() raises a raw OverflowError, which pydantic "
-    "does not turn into a validation error",
-)
 def test_huge_memory_budget_is_a_config_error() -> None:
     with pytest.raises(ConfigError):
         CheckpointConfig.model_validate(
@@ -247,12 +232,6 @@ def test_huge_memory_budget_is_a_config_error() -> None:
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeDecodeError,
-    reason="vision_ckpt bug: CheckpointConfig.from_file reads the text outside its parse-error "
-    "handling, so a file that is not UTF-8 raises a raw UnicodeDecodeError",
-)
 def test_non_utf8_file_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "latin1.yaml"
     path.write_bytes("rules: []  # caf\u00e9".encode("latin-1"))
@@ -260,25 +239,12 @@ def test_non_utf8_file_is_a_config_error(tmp_path: Path) -> None:
         CheckpointConfig.from_file(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IsADirectoryError,
-    reason="vision_ckpt bug: from_file only turns FileNotFoundError into ConfigError; a "
-    "directory (or an unreadable file) named *.yaml raises a raw OSError",
-)
 def test_directory_named_like_a_config_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "dir.yaml").mkdir()
     with pytest.raises(ConfigError):
         CheckpointConfig.from_file(tmp_path / "dir.yaml")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="vision_ckpt bug: parse_level accepts str.isdigit() strings, which include "
-    "superscripts such as '\u00b2' that int() rejects: a raw ValueError instead of LevelError "
-    '(inside a config it becomes a ConfigError saying "invalid literal for int()")',
-)
 def test_superscript_digit_is_a_level_error() -> None:
     with pytest.raises(LevelError):
         parse_level("\u00b2")

@@ -81,9 +81,9 @@ def parse_memory_budget(value: str | int) -> int:
     elif isinstance(value, str):
         m = _MEMORY_RE.fullmatch(value)
         if m is not None and m.group(2).lower() in _MEMORY_UNITS:
-            nbytes = int(float(m.group(1)) * _MEMORY_UNITS[m.group(2).lower()])
-            if nbytes > 0:
-                return nbytes
+            size = float(m.group(1)) * _MEMORY_UNITS[m.group(2).lower()]
+            if 0 < size < 2**63:  # also rejects inf from a number too long for a float
+                return int(size)
     raise ConfigError(
         f"memory budget {value!r} is not a memory size; write a positive number and a unit, "
         "e.g. '6GiB' or '512MB' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
@@ -353,6 +353,15 @@ class CheckpointConfig(_Schema):
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(f"config file {str(path)!r} does not exist.") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                "save it as UTF-8."
+            ) from None
+        except OSError as exc:
+            raise ConfigError(
+                f"config file {str(path)!r} cannot be read: {exc.strerror or exc}."
+            ) from None
         try:
             if suffix == ".json":
                 data = json.loads(text)
@@ -434,20 +443,28 @@ def _loc_str(loc: tuple[int | str, ...]) -> str:
     return out or "config"
 
 
-def _describe(root: type[BaseModel], err: Any) -> str:
+def _file_keys(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     # pydantic adds the branch name of a union to the location (e.g. 'literal['auto']',
     # 'function-before[...]'); those are not keys of the file, so drop them.
-    loc = tuple(p for p in err["loc"] if isinstance(p, int) or not re.search(r"[\[\]\-(]", str(p)))
+    return tuple(p for p in loc if isinstance(p, int) or not re.search(r"[\[\]\-(]", str(p)))
+
+
+def _describe(root: type[BaseModel], err: Any) -> str:
     kind = err["type"]
     given = err.get("input")
+    raw = tuple(err["loc"])
     if kind == "extra_forbidden":
-        owner = _model_at(root, loc[:-1])
+        # The last part is the user's unknown key itself, whatever characters it has.
+        key, path = raw[-1], _file_keys(raw[:-1])
+        owner = _model_at(root, path)
         allowed = list(owner.model_fields) if owner is not None else []
-        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        close = difflib.get_close_matches(str(key), allowed, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         return (
-            f"{_loc_str(loc)}: unknown key {loc[-1]!r}; allowed keys: {', '.join(allowed)}.{hint}"
+            f"{_loc_str(path + (key,))}: unknown key {key!r}; allowed keys: "
+            f"{', '.join(allowed)}.{hint}"
         )
+    loc = _file_keys(raw)
     if kind in ("literal_error", "enum"):
         expected = err.get("ctx", {}).get("expected", "")
         allowed = ", ".join(re.findall(r"'[^']*'|\d+", expected)) or expected

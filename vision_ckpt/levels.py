@@ -81,7 +81,8 @@ def parse_level(value: object, what: str = "level") -> Level:
         return Level(int(value))
     elif isinstance(value, str):
         text = value.strip()
-        if text.isdigit() and 0 <= int(text) <= 5:
+        # isdecimal, not isdigit: superscripts such as '²' are digits that int() rejects.
+        if text.isdecimal() and 0 <= int(text) <= 5:
             return Level(int(text))
         member = Level.__members__.get(text.upper().replace("-", "_").replace(" ", "_"))
         if member is not None:
