@@ -310,6 +310,13 @@ def report(overhead: OverheadResult | None, steps: list[StepResult]) -> None:
             f"{format_bytes(r.kept_bytes['ours'])} vs {format_bytes(r.kept_bytes['torch'])}: "
             f"{verdict(kept_ok)}; first-step losses equal: {r.losses_equal}"
         )
+        # Not one of the targets, but what users feel: a core that keeps recomputed
+        # tensors longer than needed shows it here and nowhere else.
+        peak_ok = r.activation_bytes["ours"] <= r.activation_bytes["torch"]
+        lines.append(
+            f"{r.model}: step activation peak ours {format_bytes(r.activation_bytes['ours'])} "
+            f"vs torch {format_bytes(r.activation_bytes['torch'])}: {verdict(peak_ok)}"
+        )
     for line in lines:
         console.print(line)
 
