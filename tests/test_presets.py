@@ -367,6 +367,27 @@ def test_fallback_runs_and_is_exact() -> None:
     remove(model)
 
 
+class _ListNet(nn.Module):
+    """Blocks in a ModuleList that the model's own forward iterates: no trunk module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_fallback_without_trunk_module_takes_the_model() -> None:
+    pairs = fallback_rules(_ListNet())
+    assert (pairs[0][0].match, int(pairs[0][0].level)) == ("re:^$", 5)
+    assert _selected(pairs[0][0], _ListNet()) == [""]
+    p = plan(_ListNet(), CheckpointConfig(training_checkpoint_level=5, preset="auto"))
+    assert p[""].checkpointed and p[""].origin == "fallback"
+
+
 def test_fallback_names_are_exact_and_escaped() -> None:
     model = nn.Sequential()
     model.add_module("odd name", nn.Sequential(nn.Linear(2, 2), nn.ReLU()))

@@ -406,7 +406,9 @@ def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
 # least twice in the model (repeated blocks; counted over the whole model so that a stage of
 # depth 1 still counts). The innermost such modules are blocks (3); a module holding blocks
 # that is itself one of a repeated set, or the callable parent of a block container, is a stage
-# (4); the nearest callable common ancestor of all blocks, below the root, is the trunk (5).
+# (4); the nearest callable common ancestor of all blocks, below the root, is the trunk (5);
+# when there is none (blocks iterated from a ModuleList by the model's own forward, stages that
+# are direct children of the model), the model itself is level 5.
 # Inside blocks, composite children with two or more weight layers are sub-blocks (2: attention,
 # MLP, conv branches). Anywhere in the model, a composite module made only of leaf layers with
 # at most one weight layer and at least one norm or activation is a unit (1: conv+norm+act,
@@ -597,7 +599,13 @@ def _trunk(blocks: list[str], by_name: dict[str, Any]) -> str | None:
     return name or None
 
 
+_ROOT = "re:^$"
+"""The exact-name rule of the model itself: its qualified name is the empty string."""
+
+
 def _exact(name: str) -> str:
+    if not name:
+        return _ROOT
     if all(re.fullmatch(r"[A-Za-z0-9_\-]+", part) for part in name.split(".")):
         return name
     return "re:" + re.escape(name)
@@ -647,6 +655,8 @@ def fallback_rules(model: Any) -> list[tuple[LevelRule, str]]:
             levels[stage] = int(Level.LARGE_MODULE)
     if trunk is not None and trunk not in blocks:
         levels[trunk] = int(Level.VERY_LARGE_MODULE)
+    elif blocks:
+        levels[""] = int(Level.VERY_LARGE_MODULE)  # no trunk module: the whole model
     if not levels:
         children = ", ".join(n for n, _ in model.named_children()) or "(none)"
         raise ConfigError(
