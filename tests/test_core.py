@@ -1090,3 +1090,27 @@ def test_batchnorm_guard_is_invisible_to_selective_checkpointing_in_an_opaque_re
         assert torch.equal(a, b), name
     for a, b in zip(net.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_recomputation_leaves_nothing_alive_after_backward(early_stop: bool) -> None:
+    """Ops that save their own output (exp) must not leak recomputed tensors step after step."""
+    import gc
+
+    from vision_ckpt._memory import track_peak_memory
+
+    h = torch.randn(64, 64, requires_grad=True)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        return y.exp() * y
+
+    ends = []
+    for _ in range(3):
+        with track_peak_memory(h) as mem:
+            checkpoint(region, h, early_stop=early_stop).sum().backward()
+            gc.collect()
+        ends.append(mem.end_bytes)
+        h.grad = None
+    assert ends[0] == ends[1] == ends[2]
+    assert ends[0] == h.numel() * 4 * 2  # h and its gradient, nothing else

@@ -266,6 +266,12 @@ class _RecomputePack:
         self.expected = len(frame.holders)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # What this hook returns is what the recomputation's own graph saves. It must be
+        # detached: an op that saves its own output (exp, softmax, in-place ReLU) would otherwise
+        # hold a tensor whose grad_fn is that op itself -- a C++ reference cycle that Python's
+        # garbage collector cannot see, leaking one tensor per such op and step.
+        if x.requires_grad:
+            x = x.detach()
         frame = self.frame
         index = self.count
         self.count = index + 1
@@ -286,7 +292,7 @@ class _RecomputePack:
             if slots is None:
                 holder.slots = slots = {}
             _internal_assert(self.gid not in slots, "a holder was filled twice in one backward")
-            slots[self.gid] = x.detach() if x.requires_grad else x
+            slots[self.gid] = x
         if frame.early_stop and index + 1 == self.expected:
             raise _StopRecomputation
         return x
