@@ -223,3 +223,15 @@ def test_cuda_figures() -> None:
     assert mem.peak_bytes == 4 * MiB
     assert mem.cuda_activation_bytes is not None and mem.cuda_activation_bytes >= 4 * MiB
     del a
+
+
+def test_count_saved_bytes_can_leave_out_parameters() -> None:
+    """Linear saves its weight for backward; excluding the module counts activations only."""
+    layer = torch.nn.Linear(256, 256, bias=False)
+    x = torch.randn(8, 256, requires_grad=True)
+    with count_saved_bytes() as everything:
+        layer(x).sum()
+    with count_saved_bytes(layer) as activations:
+        layer(x).sum()
+    assert everything.nbytes == activations.nbytes + 256 * 256 * 4
+    assert activations.nbytes == 8 * 256 * 4

@@ -132,7 +132,7 @@ class SavedBytes:
 
 
 @contextlib.contextmanager
-def count_saved_bytes() -> Iterator[SavedBytes]:
+def count_saved_bytes(*exclude: Any) -> Iterator[SavedBytes]:
     """Count the bytes autograd keeps for backward while the block runs.
 
     Installs an outer ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook records the
@@ -148,6 +148,11 @@ def count_saved_bytes() -> Iterator[SavedBytes]:
     Storages are counted cumulatively: building and freeing two graphs inside one block counts
     both. Meta tensors are ignored.
 
+    Args:
+        *exclude: tensors, modules or containers (as for :func:`track_peak_memory`'s roots)
+            whose storages are not counted: pass the model to count activations only, since
+            layers also save their weights for backward.
+
     Yields:
         A :class:`SavedBytes` that is updated as tensors are packed.
 
@@ -161,11 +166,16 @@ def count_saved_bytes() -> Iterator[SavedBytes]:
     # Keyed by data pointer; the weak reference tells a storage seen before from a new storage
     # that reuses the address of a freed one.
     seen: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+    excluded = set()
+    for t in _root_tensors(exclude):
+        storage = _storage_of(t)
+        if storage is not None:
+            excluded.add(storage.data_ptr())
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         result.num_packed += 1
         storage = _storage_of(t)
-        if storage is not None:
+        if storage is not None and storage.data_ptr() not in excluded:
             ptr = storage.data_ptr()
             known = seen.get(ptr)
             if known is None or known() is not storage:

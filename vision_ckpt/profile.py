@@ -86,7 +86,8 @@ class LevelProfile:
     activation_bytes: int | None = None
     """Peak minus the bytes live before the forward."""
     saved_bytes: int | None = None
-    """Bytes autograd kept from forward to backward (each storage once)."""
+    """Activation bytes autograd kept from forward to backward (each storage once; parameters
+    and buffers, which layers also save, are not counted)."""
     backward_flops: int | None = None
     """FLOPs of the backward pass, recomputation included."""
     step_time_s: float | None = None
@@ -231,7 +232,7 @@ def _measure_memory(
         roots.append(optimizer)
     count_device = device if device.type != "cpu" else "cpu"
     with track_peak_memory(*roots, device=count_device) as mem:
-        with count_saved_bytes() as saved:
+        with count_saved_bytes(model) as saved:
             out = model(x)
         loss = loss_fn(out)
         del out
