@@ -606,7 +606,8 @@ def _block_costs(
     loss_fn: LossFn,
     names: list[str],
 ) -> dict[str, tuple[int, int]]:
-    """Per block: (bytes saved for backward inside it, forward FLOPs) in one plain forward."""
+    """Per block: (activation bytes saved for backward inside it, forward FLOPs), from one plain
+    forward."""
     modules = dict(model.named_modules())
     saved = dict.fromkeys(names, 0)
     active: list[str] = []
@@ -628,7 +629,12 @@ def _block_costs(
         handles.append(modules[name].register_forward_pre_hook(pre(name)))
         handles.append(modules[name].register_forward_hook(post(name)))
 
-    seen: set[int] = set()
+    # Weights are saved for backward too, but checkpointing does not free them: skip them.
+    seen: set[int] = {
+        t.untyped_storage().data_ptr()
+        for t in (*model.parameters(), *model.buffers())
+        if t.device.type != "meta"
+    }
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if active and t.device.type != "meta":
@@ -699,7 +705,7 @@ def plan_for_budget(
                 "with rules (or a preset) that select its blocks"
             )
         names = [e.name for e in candidates]
-        all_names = [e.name for e in full_plan.entries]
+        all_entries = list(full_plan.entries)
         levels = {e.name: int(e.level) for e in full_plan.entries}
         per_batch = [
             _block_costs(model, _batch_of(example_input, b), loss_fn, names) for b in small
@@ -715,7 +721,7 @@ def plan_for_budget(
         step_peak = _peak_measurer(model, example_input, loss_fn, optimizer, device)
 
         def measure(chosen: list[str]) -> int:
-            cfg = _config_for(base, chosen, all_names, levels)
+            cfg = _config_for(base, chosen, all_entries, levels)
             with _applied(model, cfg):
                 with training_level(_training_level_for(chosen, levels)):
                     return _extrapolated_peak(step_peak, target, budget_bytes)[0]
@@ -746,7 +752,9 @@ def plan_for_budget(
                 predicted = measure(chosen)
         fits = predicted <= goal
         return BudgetPlan(
-            config=_config_for(base, chosen, all_names, levels, fixed_level=True) if fits else None,
+            config=_config_for(base, chosen, all_entries, levels, fixed_level=True)
+            if fits
+            else None,
             blocks=list(chosen),
             budget_bytes=budget_bytes,
             batch_size=target,
@@ -768,16 +776,20 @@ def _training_level_for(chosen: list[str], levels: dict[str, int]) -> int:
 def _config_for(
     base: CheckpointConfig,
     chosen: list[str],
-    names: list[str],
+    entries: list[Any],
     levels: dict[str, int],
     fixed_level: bool = False,
 ) -> CheckpointConfig:
     """Rules that keep the chosen blocks' levels and give every other planned module level 0."""
     chosen_set = set(chosen)
     top = _training_level_for(chosen, levels)
-    rules = [
-        LevelRule(match=n, level=Level(max(levels[n], 1) if n in chosen_set else 0)) for n in names
-    ]
+    rules = []
+    for entry in entries:
+        level = Level(max(levels[entry.name], 1) if entry.name in chosen_set else 0)
+        if entry.name:
+            rules.append(LevelRule(match=entry.name, level=level))
+        else:  # the model itself has no qualified name: select it by class
+            rules.append(LevelRule(match_type=entry.class_name, level=level))
     return base.model_copy(
         update={
             "rules": tuple(base.rules) + tuple(rules),
