@@ -5,7 +5,8 @@ process, the same model and the same starting weights run a training step (forwa
 cross-entropy, backward) under each variant:
 
 - ``L0`` .. ``L5``: ``vision_ckpt.apply_preset(model, level)`` (the model's preset, or the
-  fallback), nesting ``all``;
+  fallback), nesting ``all``; ``L3o`` .. ``L5o``: the same with nesting ``outermost`` (only the
+  outermost checkpointed module of a chain is checkpointed: at most one extra forward);
 - ``timm``: timm's ``model.set_grad_checkpointing(True)`` (torch's checkpoint per block).
 
 Measured per variant, with deterministic byte counting from ``vision_ckpt._memory`` (never RSS):
@@ -67,6 +68,7 @@ MODELS = (
     "efficientnet_b0",
 )
 VARIANTS = ("L0", "L1", "L2", "L3", "L4", "L5", "timm")
+ALL_VARIANTS = ("L0", "L1", "L2", "L3", "L4", "L5", "L2o", "L3o", "L4o", "L5o", "timm")
 MB = 1e6
 
 
@@ -119,12 +121,15 @@ def _configure(model: nn.Module, variant: str) -> int:
     if variant == "timm":
         model.set_grad_checkpointing(True)
         return -1
-    level = int(variant[1:])
-    plan = apply_preset(model, level)
+    nesting = "outermost" if variant.endswith("o") else "all"
+    level = int(variant[1:].rstrip("o"))
+    plan = apply_preset(model, level, nesting=nesting)
     return len(plan.checkpointed)
 
 
-def bench_model(name: str, batch: int, reps: int, console: Console) -> list[Result]:
+def bench_model(
+    name: str, batch: int, reps: int, variants: list[str], console: Console
+) -> list[Result]:
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False).train()
     initial = copy.deepcopy(model.state_dict())
@@ -138,15 +143,15 @@ def bench_model(name: str, batch: int, reps: int, console: Console) -> list[Resu
     )
     reference_bn: dict[str, torch.Tensor] | None = None
     results = []
-    for variant in VARIANTS:
+    for variant in variants:
         model.load_state_dict(initial)
         checkpointed = _configure(model, variant)
         # First step from the initial weights: warm-up, and the BatchNorm statistics check.
         torch.manual_seed(1)
         _step(model, x, y)
         bn = _bn_buffers(model)
-        if variant == "L0":
-            reference_bn = bn
+        if reference_bn is None:
+            reference_bn = bn  # the first variant (L0 by default) is the reference
         bn_exact = None
         if has_bn and reference_bn is not None:
             bn_exact = all(torch.equal(bn[k], reference_bn[k]) for k in reference_bn)
@@ -226,10 +231,10 @@ def _targets(results: list[Result]) -> list[str]:
     batch32 = 0
     for (model, batch), rows in sorted(by_key.items()):
         t = rows.get("timm")
-        ours = [rows[v] for v in VARIANTS[:-1] if v in rows]
+        ours = [rows[v] for v in ALL_VARIANTS if v in rows and v != "timm"]
         if t is None or not ours:
             continue
-        top = ours[-1]
+        top = next((rows[v] for v in ("L5", "L5o") if v in rows), ours[-1])
         match = [
             r.variant
             for r in ours
@@ -254,24 +259,36 @@ def _targets(results: list[Result]) -> list[str]:
     return out
 
 
+def _model_rank(name: str) -> int:
+    return MODELS.index(name) if name in MODELS else len(MODELS)
+
+
 def _plot(results: list[Result], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted({(r.model, r.batch) for r in results}, key=lambda k: (k[1], MODELS.index(k[0])))
+    keys = sorted({(r.model, r.batch) for r in results}, key=lambda k: (k[1], _model_rank(k[0])))
     cols = min(3, len(keys))
     rows = (len(keys) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
     for ax, (model, batch) in zip(axes.flat, keys, strict=False):
-        ours = [r for r in results if (r.model, r.batch) == (model, batch) and r.variant != "timm"]
+        rows = [r for r in results if (r.model, r.batch) == (model, batch)]
+        ours = [r for r in rows if r.variant != "timm" and not r.variant.endswith("o")]
+        outer = [r for r in rows if r.variant.endswith("o")]
         theirs = [
             r for r in results if (r.model, r.batch) == (model, batch) and r.variant == "timm"
         ]
         ax.plot([r.time_s for r in ours], [r.peak_mb for r in ours], "o-", label="vision_ckpt")
         for r in ours:
             ax.annotate(r.variant, (r.time_s, r.peak_mb), textcoords="offset points", xytext=(4, 4))
+        if outer:
+            ax.plot([r.time_s for r in outer], [r.peak_mb for r in outer], "^", label="outermost")
+            for r in outer:
+                ax.annotate(
+                    r.variant, (r.time_s, r.peak_mb), textcoords="offset points", xytext=(4, -10)
+                )
         if theirs:
             ax.plot([theirs[0].time_s], [theirs[0].peak_mb], "s", color="C3", label="timm switch")
         ax.set_title(f"{model} (batch {batch})", fontsize=9)
@@ -291,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="8,32", help="comma-separated, e.g. 8,32")
     parser.add_argument("--reps", type=int, default=3, help="timed steps per variant (median)")
     parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, first is the BN reference; any of {','.join(ALL_VARIANTS)}",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: stable on a shared machine)"
     )
     parser.add_argument(
@@ -299,9 +321,18 @@ def main(argv: list[str] | None = None) -> int:
         default=Path(tempfile.gettempdir()) / "vision_ckpt_bench_presets",
         help="folder for results.json, table.md and memory_vs_time.png",
     )
+    parser.add_argument(
+        "--render",
+        default=None,
+        help="comma-separated results.json files to merge and render instead of measuring",
+    )
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     batches = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in ALL_VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; allowed: {', '.join(ALL_VARIANTS)}")
     torch.set_num_threads(args.threads)
     vision_ckpt.set_training_level(0)
     console = Console()
@@ -316,15 +347,28 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"{command}\n{env}")
 
     results: list[Result] = []
-    for batch in batches:
-        for name in models:
-            results.extend(bench_model(name, batch, args.reps, console))
-            (args.out / "results.json").write_text(
-                json.dumps(
-                    {"command": command, "env": env, "results": [asdict(r) for r in results]},
-                    indent=1,
+    if args.render:
+        for path in args.render.split(","):
+            data = json.loads(Path(path).read_text())
+            results += [Result(**r) for r in data["results"]]
+            console.print(f"from {path}: {data['command']} ({data['env']})")
+        batches = sorted({r.batch for r in results})
+        # Later files win for the same model, batch and variant.
+        merged = {(r.model, r.batch, r.variant): r for r in results}
+        order = {v: i for i, v in enumerate(ALL_VARIANTS)}
+        results = sorted(
+            merged.values(), key=lambda r: (r.batch, _model_rank(r.model), order[r.variant])
+        )
+    else:
+        for batch in batches:
+            for name in models:
+                results.extend(bench_model(name, batch, args.reps, variants, console))
+                (args.out / "results.json").write_text(
+                    json.dumps(
+                        {"command": command, "env": env, "results": [asdict(r) for r in results]},
+                        indent=1,
+                    )
                 )
-            )
     md = [f"`{command}` ({env})", ""]
     for batch in batches:
         table, lines = _table(results, batch)
@@ -335,6 +379,13 @@ def main(argv: list[str] | None = None) -> int:
         console.print(line)
     md += ["Targets:", ""] + [f"- {t}" for t in targets]
     (args.out / "table.md").write_text("\n".join(md) + "\n")
+    if args.render:
+        (args.out / "results.json").write_text(
+            json.dumps(
+                {"command": command, "env": env, "results": [asdict(r) for r in results]},
+                indent=1,
+            )
+        )
     _plot(results, args.out / "memory_vs_time.png")
     console.print(f"wrote {args.out / 'table.md'}, results.json and memory_vs_time.png")
     return 0
