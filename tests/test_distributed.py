@@ -296,13 +296,6 @@ def test_apply_then_fully_shard_keeps_the_checkpointed_forward(group_of_one, mon
     assert calls, "fully_shard dropped the forward installed by vision_ckpt.apply"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="vision_ckpt bug: track_peak_memory reads storage().data_ptr() of a DTensor (FSDP2 "
-    "parameters, gradients, optimizer state), which raises 'Attempted to access the data "
-    "pointer on an invalid python storage'",
-)
 def test_track_peak_memory_follows_fsdp2_parameters(group_of_one) -> None:
     from torch.distributed.fsdp import fully_shard
 

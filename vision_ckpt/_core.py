@@ -65,9 +65,12 @@ _FIX_TIP = (
 class _ThreadState(threading.local):
     """Per-thread bookkeeping. Autograd may run backward on its own threads (one per device)."""
 
-    region_depth = 0  # checkpointed regions running forward or recomputation on this thread
-    recompute_depth = 0  # recomputations running on this thread
-    bn_stash: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] | None = None
+    # Set per thread in __init__, not as class defaults: torch.compile guards on the instance's
+    # __dict__, and an attribute first assigned inside a compiled frame invalidates that guard.
+    def __init__(self) -> None:
+        self.region_depth = 0  # checkpointed regions running forward or recomputation here
+        self.recompute_depth = 0  # recomputations running on this thread
+        self.bn_stash: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
 
 
 _state = _ThreadState()
@@ -454,9 +457,7 @@ def _bn_pre_hook(module: torch.nn.Module, args: Any) -> None:
         with _disable_current_modes():
             originals = _swap_in_copies(module)
         if originals is not None:
-            stash = _state.bn_stash
-            _internal_assert(stash is not None, "BatchNorm stash missing during recomputation")
-            stash.append((module, originals))
+            _state.bn_stash.append((module, originals))
 
 
 def _bn_post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -477,8 +478,6 @@ def _enter_bn_guard(batchnorms: list[torch.nn.Module]) -> int:
     """Swap BatchNorm buffers for copies; returns the stash mark to pass to ``_exit_bn_guard``."""
     global _bn_users
     stash = _state.bn_stash
-    if stash is None:
-        stash = _state.bn_stash = []
     mark = len(stash)
     if batchnorms is _UNKNOWN_MODULES:
         with _bn_lock:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 __all__ = [
@@ -92,12 +92,26 @@ def format_bytes(n: int | float) -> str:
     return f"{sign}{value:.2f} {_UNITS[unit]}"
 
 
+def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t`` itself, or for a wrapper subclass (DTensor, FSDP2 parameters) the plain tensors
+    it wraps: only those own storage."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        for attr in attrs:
+            inner = getattr(t, attr)
+            if isinstance(inner, torch.Tensor):  # DTensor also lists its device mesh
+                yield from _plain_tensors(inner)
+    else:
+        yield t
+
+
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """The storage behind ``t``, or ``None`` for meta, sparse or empty tensors."""
+    """The storage behind ``t``, or ``None`` for meta, sparse, empty or storage-less tensors."""
     if t.device.type == "meta":
         return None
     try:
         storage = t.untyped_storage()
+        storage.data_ptr()  # wrapper subclasses hand out an invalid storage that fails here
     except (RuntimeError, NotImplementedError):  # sparse, nested or storage-less subclasses
         return None
     if storage.nbytes() == 0:
@@ -174,7 +188,11 @@ def count_saved_bytes(*exclude: Any) -> Iterator[SavedBytes]:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         result.num_packed += 1
-        storage = _storage_of(t)
+        for plain in _plain_tensors(t):
+            count(_storage_of(plain))
+        return t
+
+    def count(storage: torch.UntypedStorage | None) -> None:
         if storage is not None and storage.data_ptr() not in excluded:
             ptr = storage.data_ptr()
             known = seen.get(ptr)
@@ -182,7 +200,6 @@ def count_saved_bytes(*exclude: Any) -> Iterator[SavedBytes]:
                 seen[ptr] = weakref.ref(storage)
                 result.nbytes += storage.nbytes()
                 result.num_storages += 1
-        return t
 
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
@@ -249,9 +266,9 @@ class PeakMemory:
 def _root_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor reachable from a root: a tensor, module, optimizer or container of them."""
     if isinstance(obj, torch.Tensor):
-        yield obj
+        yield from _plain_tensors(obj)
         if obj.grad is not None:
-            yield obj.grad
+            yield from _plain_tensors(obj.grad)
     elif isinstance(obj, torch.nn.Module):
         for p in obj.parameters():
             yield from _root_tensors(p)
@@ -325,6 +342,7 @@ class _StorageTracker(TorchDispatchMode):
             outputs = tree_leaves(out)
         else:
             return out
+        outputs = [p for t in outputs if isinstance(t, torch.Tensor) for p in _plain_tensors(t)]
         input_ptrs: set[int] | None = None
         for t in outputs:
             if not isinstance(t, torch.Tensor):
@@ -339,9 +357,10 @@ class _StorageTracker(TorchDispatchMode):
                     input_ptrs = set()
                     for a in tree_leaves((args, kwargs)):
                         if isinstance(a, torch.Tensor):
-                            s = _storage_of(a)
-                            if s is not None:
-                                input_ptrs.add(s.data_ptr())
+                            for plain in _plain_tensors(a):
+                                s = _storage_of(plain)
+                                if s is not None:
+                                    input_ptrs.add(s.data_ptr())
                 if ptr in input_ptrs:
                     continue  # a view of (or in-place result on) a storage from before entry
                 self.result.num_allocations += 1

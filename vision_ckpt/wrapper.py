@@ -73,7 +73,10 @@ _training_level: Level = Level.NONE
 class _RegionState(threading.local):
     # The ambient training level captured when the innermost running region was called, or None
     # outside every region. See NOTE [ The training level seen by recomputation ].
-    level: Level | None = None
+    # Set per thread in __init__ (not as a class default): dynamo guards on the instance's
+    # __dict__, and an attribute that appears there later fails the guard of its own frame.
+    def __init__(self) -> None:
+        self.level: Level | None = None
 
 
 _region = _RegionState()
