@@ -1114,3 +1114,22 @@ def test_recomputation_leaves_nothing_alive_after_backward(early_stop: bool) -> 
         h.grad = None
     assert ends[0] == ends[1] == ends[2]
     assert ends[0] == h.numel() * 4 * 2  # h and its gradient, nothing else
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.utils.checkpoint, "GraphExecGroup"), reason="torch has no GraphExecGroup"
+)
+def test_each_graph_exec_group_recomputes_even_when_an_old_group_id_is_reused() -> None:
+    """Groups are told apart by identity; a freed group's id() may come back for a new one."""
+    from torch.utils.checkpoint import GraphExecGroup
+
+    x = torch.randn(8, requires_grad=True)
+    y = checkpoint(lambda t: t.sin().exp(), x)
+    grads = []
+    for _ in range(4):
+        with GraphExecGroup():
+            (g,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+        grads.append(g)
+    expected = torch.autograd.grad(x.sin().exp().sum(), x)[0]
+    for g in grads:
+        torch.testing.assert_close(g, expected, rtol=0, atol=0)

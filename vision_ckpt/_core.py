@@ -25,7 +25,7 @@ import itertools
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -156,7 +156,7 @@ class _Holder:
     __slots__ = ("slots", "__weakref__")
 
     def __init__(self) -> None:
-        self.slots: dict[int, torch.Tensor] | None = None
+        self.slots: dict[Hashable, torch.Tensor] | None = None
 
 
 # NOTE [ Nested checkpoints ]
@@ -246,10 +246,12 @@ class _Frame:
         return tree_unflatten(leaves, self.spec)
 
 
-def _current_graph_id() -> int:
+def _current_graph_id() -> Hashable:
     group = _get_exec_group() if _get_exec_group is not None else None
     if group is not None:
-        return id(group)
+        # The group object itself, not id(group): an id can be reused once a group is freed,
+        # and a frame that remembered it would skip the recomputation a new group needs.
+        return group
     gid = _graph_task_id()
     if gid == -1:  # unpacked outside of a backward pass: every such access recomputes
         gid = next(_anonymous_graph_ids)
@@ -262,7 +264,7 @@ class _RecomputePack:
     _checkpoint_internal = True
     __slots__ = ("frame", "gid", "count", "expected", "_user_hooks")
 
-    def __init__(self, frame: _Frame, gid: int) -> None:
+    def __init__(self, frame: _Frame, gid: Hashable) -> None:
         self.frame = frame
         self.gid = gid
         self.count = 0
@@ -509,7 +511,7 @@ def _exit_bn_guard(batchnorms: list[torch.nn.Module], mark: int) -> None:
                 _bn_handles.clear()
 
 
-def _recompute(frame: _Frame, gid: int) -> None:
+def _recompute(frame: _Frame, gid: Hashable) -> None:
     args, kwargs = frame.inputs()
     pack = _RecomputePack(frame, gid)
     state = _state
