@@ -565,3 +565,39 @@ def test_doctests(module):
     set_training_level(0)
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_apply_preset_pins_the_level_and_a_null_level_follows_the_global_one(core_calls):
+    model = _timm_vit()
+    x = torch.randn(2, 3, 32, 32)
+    apply_preset(model, 3)
+    counts = []
+    for level in (3, 0, 5):
+        with training_level(level):
+            core_calls.clear()
+            model(x).sum().backward()
+            counts.append(len(core_calls))
+    assert counts[0] == counts[1] == counts[2] > 0  # pinned at 3 whatever the global level
+    apply(model, {"preset": "auto"})
+    counts = []
+    for level in (3, 0, 5):
+        with training_level(level):
+            core_calls.clear()
+            model(x).sum().backward()
+            counts.append(len(core_calls))
+    assert counts[1] == 0 < counts[0] < counts[2]
+
+
+def test_an_applied_model_is_freed_without_the_cycle_collector():
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        model = _timm_vit()
+        apply_preset(model, 3)
+        alive = weakref.ref(model.blocks[0])
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()

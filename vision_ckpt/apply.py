@@ -28,7 +28,7 @@ from torch import nn
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
 from .levels import Level, is_checkpointed, parse_level
-from .matching import ModuleMatcher
+from .matching import ModuleMatcher, qualified_class_name
 from .wrapper import _CheckpointedForward, _SaveOps, get_training_level
 
 __all__ = ["PlanEntry", "CheckpointPlan", "plan", "apply", "remove", "apply_preset"]
@@ -238,7 +238,7 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
         _SaveOps(save_ops).resolve()  # unknown op names fail here, before anything runs
 
     modules = [(n, m) for n, m in model.named_modules()]
-    class_names = {n: (type(m).__name__, _qualified(m)) for n, m in modules}
+    class_names = {n: (type(m).__name__, qualified_class_name(m)) for n, m in modules}
 
     ordered: list[tuple[LevelRule, str, bool]] = []  # rule, origin, must match something
     if cfg.preset is not None:
@@ -278,11 +278,6 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
         preserve_rng_state=cfg.preserve_rng_state,
         save_ops=save_ops,
     )
-
-
-def _qualified(module: nn.Module) -> str:
-    cls = type(module)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _no_match(
@@ -409,6 +404,23 @@ def remove(model: nn.Module) -> int:
                 module.__dict__["forward"] = original
             count += 1
     return count
+
+
+def _installed(model: nn.Module) -> dict[nn.Module, _CheckpointedForward]:
+    """What :func:`apply` installed on ``model``, to put back with :func:`_reinstall`."""
+    found = {}
+    for module in model.modules():
+        installed = module.__dict__.get("forward")
+        if isinstance(installed, _CheckpointedForward):
+            found[module] = installed
+    return found
+
+
+def _reinstall(model: nn.Module, installed: dict[nn.Module, _CheckpointedForward]) -> None:
+    """Replace whatever is applied now by what :func:`_installed` recorded."""
+    remove(model)
+    for module, forward in installed.items():
+        module.__dict__["forward"] = forward
 
 
 def apply_preset(

@@ -120,6 +120,23 @@ def compile_type_pattern(pattern: str) -> Callable[[str, str], bool]:
     return lambda name, _qualified: regex.match(name) is not None
 
 
+def exact_name_pattern(name: str) -> str:
+    r"""A ``match`` pattern that selects exactly the module called ``name``.
+
+    Plain dotted names are their own pattern; names with characters a glob component cannot
+    hold (a ModuleDict key such as ``"stage 1"``) become an escaped ``re:`` pattern, and the
+    model itself (qualified name ``""``) becomes ``"re:^$"``.
+
+    >>> exact_name_pattern("blocks.3"), exact_name_pattern("stages.stage 1"), exact_name_pattern("")
+    ('blocks.3', 're:stages\\.stage\\ 1', 're:^$')
+    """
+    if not name:
+        return "re:^$"
+    if all(re.fullmatch(r"[A-Za-z0-9_\-]+", part) for part in name.split(".")):
+        return name
+    return "re:" + re.escape(name)
+
+
 def qualified_class_name(obj: Any) -> str:
     """``module.QualName`` of ``type(obj)``.
 

@@ -51,7 +51,7 @@ import torch.nn as nn
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
 from .levels import Level
-from .matching import ModuleMatcher, compile_type_pattern
+from .matching import ModuleMatcher, compile_type_pattern, exact_name_pattern
 
 __all__ = [
     "list_presets",
@@ -599,18 +599,6 @@ def _trunk(blocks: list[str], by_name: dict[str, Any]) -> str | None:
     return name or None
 
 
-_ROOT = "re:^$"
-"""The exact-name rule of the model itself: its qualified name is the empty string."""
-
-
-def _exact(name: str) -> str:
-    if not name:
-        return _ROOT
-    if all(re.fullmatch(r"[A-Za-z0-9_\-]+", part) for part in name.split(".")):
-        return name
-    return "re:" + re.escape(name)
-
-
 def fallback_rules(model: Any) -> list[tuple[LevelRule, str]]:
     """Levels for a model without a preset, derived from its structure.
 
@@ -666,7 +654,7 @@ def fallback_rules(model: Any) -> list[tuple[LevelRule, str]]:
             "(rules: - match: '<module name>' level: 3)."
         )
     return [
-        (LevelRule(match=_exact(name), level=levels[name]), FALLBACK_ORIGIN)
+        (LevelRule(match=exact_name_pattern(name), level=levels[name]), FALLBACK_ORIGIN)
         for name, _ in modules
         if name in levels
     ]

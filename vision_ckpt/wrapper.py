@@ -45,6 +45,7 @@ import contextlib
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -340,16 +341,42 @@ def _maybe_checkpoint(
 
 
 class _ModuleForward:
-    """Calls the forward a module had before :func:`vision_ckpt.apply` (its class's, usually)."""
+    """Calls the forward a module had before :func:`vision_ckpt.apply` (its class's, usually).
+
+    It lives in the module's own ``__dict__``, so it refers to the module weakly: a strong
+    reference would make every applied module part of a reference cycle, freed (with its GPU
+    memory) only when Python's cycle collector happens to run. Copies and pickles carry the
+    module strongly in their state, which deepcopy and pickle map to the copied module.
+    """
 
     def __init__(self, module: nn.Module, name: str, original: Callable[..., Any] | None) -> None:
-        self.module = module
+        self._module = weakref.ref(module)
         self.original = original  # an instance-level forward that was already there, if any
         self.__vision_ckpt_region__ = name or type(module).__name__
 
     @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        if module is None:  # only reachable through a stray reference to this object
+            raise ConfigError(
+                f"the module {self.__vision_ckpt_region__!r} this checkpointed forward belonged "
+                "to no longer exists; call the module, not its saved forward."
+            )
+        return module
+
+    @property
     def __vision_ckpt_module__(self) -> nn.Module:
         return self.module
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_module"] = self.module
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state["_module"] = weakref.ref(state["_module"])
+        self.__dict__.update(state)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.original is not None:
