@@ -115,3 +115,22 @@ def test_console_script_and_module_entry() -> None:
     for cmd in (["vision-ckpt", "--version"], [sys.executable, "-m", "vision_ckpt", "--version"]):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "vision-ckpt" in done.stdout
+
+
+def test_a_failing_measurement_is_one_line_with_exit_code_1(capsys) -> None:
+    argv = [
+        "profile",
+        "--model",
+        "convnext_atto",
+        "--img-size",
+        "2",
+        "--batch-size",
+        "2",
+        "--levels",
+        "0",
+        "--steps",
+        "1",
+    ]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vision-ckpt: error: RuntimeError:") and "\n" not in err

@@ -91,7 +91,7 @@ def test_profile_skips_levels_over_the_memory_limit_instead_of_running_them() ->
     peak5 = _measured_peak(model, x, 5)
     limit = (peak0 + peak5) // 2
     result = profile(model, x, levels=[0, 5], steps=1, flops=False, memory_limit=limit)
-    assert result.level(0).skipped is not None and "memory_limit" in result.level(0).skipped
+    assert result.level(0).skipped is not None and "exceeds memory_limit" in result.level(0).skipped
     assert result.level(0).peak_bytes is None
     assert result.level(5).skipped is None and result.level(5).peak_bytes == peak5
 
@@ -148,6 +148,7 @@ def test_plan_for_budget_fits_between_uniform_levels_and_checkpoints_less() -> N
     assert result.config is not None and result.blocks
     assert len(result.blocks) < len(result.candidates)
     vision_ckpt.apply(model, result.config)
+    model.zero_grad(set_to_none=True)  # a step starts without gradients, as the profiler's do
     try:
         with track_peak_memory(model, target) as mem:
             default_loss(model(target)).backward()
@@ -155,3 +156,79 @@ def test_plan_for_budget_fits_between_uniform_levels_and_checkpoints_less() -> N
     finally:
         vision_ckpt.remove(model)
     assert mem.peak_bytes <= budget
+
+
+def test_profiling_leaves_the_users_model_as_it_was() -> None:
+    """Checkpointing the user applied, weights, BatchNorm statistics, optimizer state and mode
+    all come back after profile() and suggest_level()."""
+    import copy
+
+    model = _mobilenet()
+    vision_ckpt.apply(model, {"training_checkpoint_level": 2, "preset": "auto"})
+    installed = {
+        n: m.__dict__["forward"] for n, m in model.named_modules() if "forward" in m.__dict__
+    }
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.eval()
+    state = copy.deepcopy(model.state_dict())
+    profile(model, _x(), levels=[0, 5], steps=1, flops=False, optimizer=optimizer)
+    suggest_level(model, _x(2), "1GiB", batch_size=8, levels=[0, 5], optimizer=optimizer)
+    assert not model.training and optimizer.state_dict()["state"] == {}
+    for (name, a), b in zip(model.state_dict().items(), state.values(), strict=True):
+        assert torch.equal(a, b), name
+    now = {n: m.__dict__["forward"] for n, m in model.named_modules() if "forward" in m.__dict__}
+    assert now == installed
+
+
+def test_regions_column_follows_the_nesting_mode() -> None:
+    model = _vit()
+    config = vision_ckpt.CheckpointConfig(preset="auto", nesting="outermost")
+    result = profile(model, _x(), levels=[3, 5], steps=1, flops=False, config=config)
+    for entry in result.levels:
+        with vision_ckpt.training_level(entry.level):
+            checkpointed = vision_ckpt.plan(model, config).checkpointed
+        assert entry.regions == len(checkpointed)
+    assert result.level(5).regions == 1  # the whole trunk, nothing inside it
+
+
+def test_plan_for_budget_config_checkpoints_exactly_the_chosen_blocks() -> None:
+    class Net(torch.nn.Module):
+        """Stages in a ModuleDict whose keys are not glob-safe names."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = torch.nn.ModuleDict(
+                {
+                    f"stage {i}": torch.nn.Sequential(
+                        torch.nn.Conv2d(8, 8, 3, padding=1),
+                        torch.nn.BatchNorm2d(8),
+                        torch.nn.ReLU(),
+                    )
+                    for i in range(4)
+                }
+            )
+            self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x)
+            for stage in self.stages.values():
+                x = stage(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Net()
+    example = _x(2, 32)
+    config = vision_ckpt.CheckpointConfig(
+        rules=[{"match": "stages.*", "level": 3}, {"match": "stages.*.*", "level": 1}]
+    )
+    peaks = {}
+    for level in (0, 3):
+        vision_ckpt.apply(model, config.model_copy(update={"training_checkpoint_level": level}))
+        target = _batch_of(example, 8)
+        peaks[level] = _measure_memory(model, target, default_loss, None, target.device)[0]
+        vision_ckpt.remove(model)
+    result = plan_for_budget(
+        model, example, (peaks[0] + peaks[3]) // 2, batch_size=8, config=config, margin=0.0
+    )
+    assert result.config is not None and 0 < len(result.blocks) < 4
+    assert set(vision_ckpt.plan(model, result.config).checkpointed) == set(result.blocks)

@@ -3,7 +3,7 @@
 Subcommands: ``profile`` (memory and time per level), ``plan`` (which modules a level
 checkpoints), ``suggest`` (a level for a memory budget), ``presets`` and ``schema``.
 Every error is one line on stderr and a non-zero exit code: 2 for bad arguments or configs,
-1 when the measurement itself fails.
+1 when the measurement itself fails (and for ``suggest`` when no level fits).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ._version import __version__
-from .errors import VisionCkptError
+from .errors import ConfigError, LevelError
 
 __all__ = ["main"]
 
@@ -314,12 +314,21 @@ def main(argv: list[str] | None = None) -> int:
     except _UsageError as exc:
         print(f"vision-ckpt: error: {exc}", file=sys.stderr)
         return 2
-    except (VisionCkptError, ValueError, OSError) as exc:
-        message = str(exc).strip().replace("\n", " ")
-        print(f"vision-ckpt: error: {message}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:  # pragma: no cover
         return 130
+    except (ConfigError, LevelError, ValueError, OSError) as exc:  # what the user gave
+        print(f"vision-ckpt: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the measurement itself failed (a model that cannot run, ...)
+        print(
+            f"vision-ckpt: error: {type(exc).__name__}: {_one_line(exc)}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":  # pragma: no cover

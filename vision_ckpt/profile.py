@@ -20,6 +20,7 @@ exceed it, reporting that instead of running it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import statistics
 import time
@@ -31,10 +32,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ._memory import count_saved_bytes, track_peak_memory
-from .apply import apply as _apply_config, plan as _plan, remove as _remove
+from .apply import _installed, _reinstall, apply as _apply_config, plan as _plan
 from .config import CheckpointConfig, LevelRule, parse_memory_budget
 from .errors import ConfigError, VisionCkptError
-from .levels import Level, is_checkpointed, parse_level
+from .levels import Level, parse_level
+from .matching import exact_name_pattern
 from .wrapper import training_level
 
 __all__ = [
@@ -285,16 +287,40 @@ def _following_global(config: CheckpointConfig | None) -> CheckpointConfig:
 
 @contextlib.contextmanager
 def _applied(model: torch.nn.Module, config: CheckpointConfig) -> Iterator[Any]:
-    """Apply ``config`` for the duration of the block and restore the model afterwards."""
+    """Apply ``config`` for the duration of the block, then put back whatever checkpointing the
+    user had applied before (or none)."""
+    before = _installed(model)
     plan = _apply_config(model, config)
     try:
         yield plan
     finally:
-        _remove(model)
+        _reinstall(model, before)
+
+
+@contextlib.contextmanager
+def _model_restored(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> Iterator[None]:
+    """Measuring runs real training steps: put back the weights, buffers (BatchNorm statistics),
+    optimizer state, gradients and training mode the model had before."""
+    state = copy.deepcopy(model.state_dict())
+    opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    grads = {p: p.grad for p in model.parameters()}
+    was_training = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.load_state_dict(state)
+        if optimizer is not None:
+            optimizer.load_state_dict(opt_state)
+        for p, g in grads.items():
+            p.grad = g
+        model.train(was_training)
 
 
 def _regions_at(plan: Any, level: int) -> int:
-    return sum(1 for entry in plan.entries if is_checkpointed(int(entry.level), level))
+    return len(plan.at_level(level).checkpointed)
 
 
 def _check_levels(levels: Iterable[int]) -> list[int]:
@@ -397,8 +423,6 @@ def profile(
     limit = parse_memory_budget(memory_limit) if memory_limit is not None else None
     loss_fn = loss_fn or default_loss
     device = example_input.device
-    was_training = model.training
-    model.train()
     result = ProfileResult(
         model=model_name or type(model).__name__,
         batch_size=int(example_input.shape[0]),
@@ -407,40 +431,38 @@ def profile(
         steps=steps,
     )
     by_level: dict[int, LevelProfile] = {}
-    try:
-        with _applied(model, _following_global(config)) as plan:
-            over_limit_from: int | None = None
-            for level in sorted(chosen, reverse=True):  # cheapest in memory first
-                entry = LevelProfile(level=level, regions=_regions_at(plan, level))
-                by_level[level] = entry
-                with training_level(level):
-                    if over_limit_from is not None:
-                        entry.skipped = (
-                            f"not run: level {over_limit_from} already exceeded memory_limit"
-                        )
-                    elif (
-                        limit is not None
-                        and (
-                            predicted := _predict_peak(
-                                model, example_input, loss_fn, optimizer, device
-                            )
-                        )
-                        > limit
-                    ):
-                        entry.skipped = (
-                            f"not run: predicted peak {predicted} bytes exceeds memory_limit "
-                            f"{limit} bytes"
-                        )
-                        over_limit_from = level
-                    else:
-                        _profile_level(
-                            entry, model, example_input, loss_fn, optimizer, device, steps, flops
-                        )
-                if on_level is not None:
-                    on_level(entry)
-    finally:
-        model.train(was_training)
-        model.zero_grad(set_to_none=True)
+    with _model_restored(model, optimizer), _applied(model, _following_global(config)) as plan:
+        if optimizer is not None:
+            # One step first, so that every level is measured with the optimizer state present
+            # (not only the first level measured, which would otherwise create it).
+            with training_level(max(chosen)):
+                _step(model, _batch_of(example_input, 2), loss_fn, optimizer)
+        over_limit_from: int | None = None
+        for level in sorted(chosen, reverse=True):  # cheapest in memory first
+            entry = LevelProfile(level=level, regions=_regions_at(plan, level))
+            by_level[level] = entry
+            with training_level(level):
+                predicted = None
+                if over_limit_from is None and limit is not None:
+                    predicted = _predict_peak(
+                        model, example_input, loss_fn, optimizer, device, limit
+                    )
+                if over_limit_from is not None:
+                    entry.skipped = (
+                        f"not run: level {over_limit_from} already exceeded memory_limit"
+                    )
+                elif predicted is not None and predicted > limit:  # type: ignore[operator]
+                    entry.skipped = (
+                        f"not run: predicted peak {predicted} bytes exceeds memory_limit "
+                        f"{limit} bytes"
+                    )
+                    over_limit_from = level
+                else:
+                    _profile_level(
+                        entry, model, example_input, loss_fn, optimizer, device, steps, flops
+                    )
+            if on_level is not None:
+                on_level(entry)
     result.levels = [by_level[level] for level in chosen]
     _fill_ratios(result)
     return result
@@ -553,9 +575,7 @@ def suggest_level(
         raise ConfigError(f"batch_size={batch_size} is not valid; expected a positive integer")
     predicted: dict[int, int] = {}
     measured: dict[int, list[tuple[int, int]]] = {}
-    was_training = model.training
-    model.train()
-    try:
+    with _model_restored(model, optimizer):
         with _applied(model, _following_global(config)):
             measure = _peak_measurer(model, example_input, loss_fn, optimizer, device)
             for level in sorted(chosen, reverse=True):  # cheapest in memory first
@@ -563,9 +583,6 @@ def suggest_level(
                     predicted[level], measured[level] = _extrapolated_peak(
                         measure, target, budget_bytes
                     )
-    finally:
-        model.train(was_training)
-        model.zero_grad(set_to_none=True)
     fitting = [lv for lv in chosen if predicted[lv] * (1 + margin) <= budget_bytes]
     return Suggestion(
         level=fitting[0] if fitting else None,
@@ -693,10 +710,10 @@ def plan_for_budget(
     device = example_input.device
     target = batch_size or int(example_input.shape[0])
     base = _following_global(config)
+    if not 0 <= margin < 1:
+        raise ConfigError(f"margin={margin} is not valid; expected a fraction in [0, 1)")
     small = _small_batches(target)
-    was_training = model.training
-    model.train()
-    try:
+    with _model_restored(model, optimizer):
         full_plan = _plan(model, base)
         candidates = _candidate_blocks(full_plan)
         if not candidates:
@@ -707,9 +724,10 @@ def plan_for_budget(
         names = [e.name for e in candidates]
         all_entries = list(full_plan.entries)
         levels = {e.name: int(e.level) for e in full_plan.entries}
-        per_batch = [
-            _block_costs(model, _batch_of(example_input, b), loss_fn, names) for b in small
-        ]
+        with _applied(model, CheckpointConfig()):  # block costs of the plain model
+            per_batch = [
+                _block_costs(model, _batch_of(example_input, b), loss_fn, names) for b in small
+            ]
         scale = (target - small[0]) / (small[1] - small[0])
         kept = {
             n: int(per_batch[0][n][0] + (per_batch[1][n][0] - per_batch[0][n][0]) * scale)
@@ -764,9 +782,6 @@ def plan_for_budget(
                 for n in order
             ],
         )
-    finally:
-        model.train(was_training)
-        model.zero_grad(set_to_none=True)
 
 
 def _training_level_for(chosen: list[str], levels: dict[str, int]) -> int:
@@ -786,10 +801,7 @@ def _config_for(
     rules = []
     for entry in entries:
         level = Level(max(levels[entry.name], 1) if entry.name in chosen_set else 0)
-        if entry.name:
-            rules.append(LevelRule(match=entry.name, level=level))
-        else:  # the model itself has no qualified name: select it by class
-            rules.append(LevelRule(match_type=entry.class_name, level=level))
+        rules.append(LevelRule(match=exact_name_pattern(entry.name), level=level))
     return base.model_copy(
         update={
             "rules": tuple(base.rules) + tuple(rules),
