@@ -51,7 +51,12 @@ import torch.nn as nn
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
 from .levels import Level
-from .matching import ModuleMatcher, compile_type_pattern, exact_name_pattern
+from .matching import (
+    ModuleMatcher,
+    compile_type_pattern,
+    exact_name_pattern,
+    qualified_class_name,
+)
 
 __all__ = [
     "list_presets",
@@ -337,11 +342,10 @@ def _named_modules(model: Any) -> list[tuple[str, Any]]:
 
 def _selects_any(rule: LevelRule, modules: list[tuple[str, Any]]) -> bool:
     matcher = ModuleMatcher(rule.match, rule.match_type)
-    for name, module in modules:
-        cls = type(module)
-        if matcher.matches(name, cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
-            return True
-    return False
+    return any(
+        matcher.matches(name, type(module).__name__, qualified_class_name(module))
+        for name, module in modules
+    )
 
 
 def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
