@@ -151,8 +151,10 @@ def _plot(result: Any, path: str) -> None:
     xs = [e.time_ratio or 1.0 for e in points]
     ys = [(e.peak_bytes or 0) / 2**20 for e in points]
     ax.plot(xs, ys, marker="o")
-    for e, x, y in zip(points, xs, ys, strict=True):
-        ax.annotate(f"level {e.level}", (x, y), textcoords="offset points", xytext=(5, 5))
+    for i, (e, x, y) in enumerate(zip(points, xs, ys, strict=True)):
+        # Alternate above/below: levels with the same peak would otherwise print over each other.
+        offset = (5, 6) if i % 2 == 0 else (5, -14)
+        ax.annotate(f"level {e.level}", (x, y), textcoords="offset points", xytext=offset)
     ax.set_xlabel("step time relative to level 0")
     ax.set_ylabel("step peak memory (MiB)")
     ax.set_title(f"{result.model}, batch {result.batch_size}: memory vs time by level")
