@@ -5,6 +5,9 @@
 - ``saved_bytes``: a context manager class that counts the bytes autograd packs for backward
   while it is active (each storage counted once).
 - ``op_counter``: a context manager class that counts the aten ops dispatched while it is active.
+- ``core_calls``: a list that records every call of the core's ``checkpoint`` during the test
+  (the wrapper and ``apply`` reach the core through the module attribute, so this sees them).
+- every test starts and ends at global training level 0.
 """
 
 from __future__ import annotations
@@ -111,3 +114,28 @@ def saved_bytes():
 def op_counter():
     """The :class:`OpCounter` class: instantiate it as a context manager."""
     return OpCounter
+
+
+@pytest.fixture(autouse=True)
+def _reset_training_level() -> Any:
+    import vision_ckpt
+
+    vision_ckpt.set_training_level(0)
+    yield
+    vision_ckpt.set_training_level(0)
+
+
+@pytest.fixture
+def core_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every function passed to the core's checkpoint while the test runs."""
+    import vision_ckpt
+
+    calls: list[Any] = []
+    real = vision_ckpt._core.checkpoint
+
+    def counting(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(fn)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(vision_ckpt._core, "checkpoint", counting)
+    return calls

@@ -15,7 +15,6 @@ import yaml
 from _models import LEVEL_RULES, make
 from torch import nn
 
-import vision_ckpt
 from vision_ckpt import (
     CheckpointConfig,
     CheckpointPlan,
@@ -34,26 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "configs" / "examples"
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def _reset_level():
-    set_training_level(0)
-    yield
-    set_training_level(0)
-
-
-@pytest.fixture
-def core_calls(monkeypatch):
-    calls = []
-    real = vision_ckpt._core.checkpoint
-
-    def counting(fn, *args, **kwargs):
-        calls.append(fn)
-        return real(fn, *args, **kwargs)
-
-    monkeypatch.setattr(vision_ckpt._core, "checkpoint", counting)
-    return calls
 
 
 # --- the five models and their level rules --------------------------------------------------

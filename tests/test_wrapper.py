@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-import vision_ckpt
 from vision_ckpt import (
     ActivationCheckpointing,
     ConfigError,
@@ -20,27 +19,6 @@ from vision_ckpt import (
     training_level,
     wrapper as wrapper_module,
 )
-
-
-@pytest.fixture(autouse=True)
-def _reset_level():
-    set_training_level(0)
-    yield
-    set_training_level(0)
-
-
-@pytest.fixture
-def core_calls(monkeypatch):
-    """Count calls of the core's checkpoint (the wrapper must go through the module attribute)."""
-    calls = []
-    real = vision_ckpt._core.checkpoint
-
-    def counting(fn, *args, **kwargs):
-        calls.append(fn)
-        return real(fn, *args, **kwargs)
-
-    monkeypatch.setattr(vision_ckpt._core, "checkpoint", counting)
-    return calls
 
 
 def _mlp(seed: int = 0) -> nn.Module:
