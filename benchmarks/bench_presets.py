@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             data = json.loads(Path(path).read_text())
             results += [Result(**r) for r in data["results"]]
             console.print(f"from {path}: {data['command']} ({data['env']})")
+            command, env = data["command"], data["env"]  # the measuring run's, not this one's
         batches = sorted({r.batch for r in results})
         # Later files win for the same model, batch and variant.
         merged = {(r.model, r.batch, r.variant): r for r in results}
