@@ -235,3 +235,17 @@ def test_count_saved_bytes_can_leave_out_parameters() -> None:
         layer(x).sum()
     assert everything.nbytes == activations.nbytes + 256 * 256 * 4
     assert activations.nbytes == 8 * 256 * 4
+
+
+def test_timeline_records_live_bytes_after_every_operation() -> None:
+    with track_peak_memory(timeline=True) as mem:
+        a = torch.ones(256)  # 1 KiB
+        b = a * 2  # +1 KiB
+        del a
+        c = b + 1  # a freed before this op: 2 KiB live after it
+        del b, c
+    assert mem.timeline == [1024, 2048, 2048]
+    assert mem.peak_bytes == max(mem.timeline)
+    with track_peak_memory() as plain:
+        torch.ones(4)
+    assert plain.timeline is None

@@ -238,6 +238,8 @@ class PeakMemory:
     """``torch.cuda.max_memory_allocated`` over the block (the peak statistic is reset at entry)."""
     cuda_end_bytes: int | None = None
     """``torch.cuda.memory_allocated`` at exit."""
+    timeline: list[int] | None = None
+    """With ``timeline=True``: the live bytes right after each operation, in order."""
 
     @property
     def activation_bytes(self) -> int:
@@ -368,12 +370,14 @@ class _StorageTracker(TorchDispatchMode):
         if self.live_bytes > self.result.peak_bytes:
             self.result.peak_bytes = self.live_bytes
         self.result.end_bytes = self.live_bytes
+        if self.result.timeline is not None:
+            self.result.timeline.append(self.live_bytes)
         return out
 
 
 @contextlib.contextmanager
 def track_peak_memory(
-    *roots: Any, device: torch.device | str | None = None
+    *roots: Any, device: torch.device | str | None = None, timeline: bool = False
 ) -> Iterator[PeakMemory]:
     """Measure the peak of live tensor-storage bytes while the block runs.
 
@@ -389,6 +393,7 @@ def track_peak_memory(
         device: count only storages on this device (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
             ``None`` counts every device except ``meta``. For a CUDA device the result also
             carries the CUDA allocator's figures; this resets its peak statistic at entry.
+        timeline: also record the live bytes after every operation (``result.timeline``).
 
     Yields:
         A :class:`PeakMemory`, updated while the block runs and final at exit.
@@ -404,6 +409,8 @@ def track_peak_memory(
     if dev is not None and dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
     result = PeakMemory(device=str(dev) if dev is not None else None)
+    if timeline:
+        result.timeline = []
     tracker = _StorageTracker(dev, result)
     for t in _root_tensors(roots):
         storage = _storage_of(t)

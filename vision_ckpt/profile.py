@@ -226,14 +226,16 @@ def _measure_memory(
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None,
     device: torch.device,
+    timeline: list[int] | None = None,
 ) -> tuple[int, int, int, int | None]:
-    """(peak, activation, saved, cuda peak) bytes of one training step."""
+    """(peak, activation, saved, cuda peak) bytes of one training step; with ``timeline``, the
+    live bytes after every operation are appended to it."""
     model.zero_grad(set_to_none=True)
     roots: list[Any] = [model, x]
     if optimizer is not None:
         roots.append(optimizer)
     count_device = device if device.type != "cpu" else "cpu"
-    with track_peak_memory(*roots, device=count_device) as mem:
+    with track_peak_memory(*roots, device=count_device, timeline=timeline is not None) as mem:
         with count_saved_bytes(model) as saved:
             out = model(x)
         loss = loss_fn(out)
@@ -242,6 +244,8 @@ def _measure_memory(
         del loss
         if optimizer is not None:
             optimizer.step()
+    if timeline is not None:
+        timeline.extend(mem.timeline or ())
     return mem.peak_bytes, mem.activation_bytes, saved.nbytes, mem.cuda_peak_bytes
 
 
@@ -331,14 +335,33 @@ def _check_levels(levels: Iterable[int]) -> list[int]:
 
 
 def _affine(points: Sequence[tuple[int, int]], batch: int) -> int:
-    """Extrapolate peak(batch) along the line through the last two measured (batch, peak) points.
-
-    A step's peak is the largest of several affine functions of the batch (the moment of the peak
-    can move as activations outgrow gradients), so it is convex: the last segment's slope is the
-    best available and errs on the high side rather than the low one."""
+    """Extrapolate peak(batch) along the line through the last two (batch, peak) points."""
     (b1, p1), (b2, p2) = points[-2], points[-1]
     slope = (p2 - p1) / (b2 - b1)
     return int(round(p2 + slope * (batch - b2)))
+
+
+# NOTE [ Predicting the peak of a larger batch ]
+#
+# A training step runs the same operators in the same order whatever the batch size, and the
+# bytes live after each operator are, to a very good approximation, affine in the batch
+# (weights, gradients and optimizer state fixed; activations per sample). The *peak* is the
+# largest of these affine functions, so it is convex in the batch: a line through the peaks of
+# two small batches underestimates a larger one whenever the moment of the peak moves (at small
+# batches the end of backward, with every gradient allocated, can be the peak; at large ones the
+# start of backward, with every activation alive). So the prediction fits a line per operator
+# through two measured timelines and takes the largest value at the target batch. If the two
+# runs did not execute the same number of operators, it falls back to the line through peaks.
+
+
+def _predict_from_timelines(
+    lines: Sequence[tuple[int, list[int]]], points: Sequence[tuple[int, int]], batch: int
+) -> int:
+    (b1, t1), (b2, t2) = lines[-2], lines[-1]
+    if not t1 or len(t1) != len(t2):
+        return _affine(points, batch)
+    scale = (batch - b2) / (b2 - b1)
+    return int(round(max(y2 + (y2 - y1) * scale for y1, y2 in zip(t1, t2, strict=True))))
 
 
 def _small_batches(target: int) -> tuple[int, int]:
@@ -348,23 +371,33 @@ def _small_batches(target: int) -> tuple[int, int]:
 
 
 def _extrapolated_peak(
-    measure: Callable[[int], int], target: int, limit: int | None = None
+    measure: Callable[[int, list[int]], int], target: int, limit: int | None = None
 ) -> tuple[int, list[tuple[int, int]]]:
     """Step peak at ``target`` from small batches: ``target/8`` and ``target/4``, then
-    ``target/2`` only if the first two predict that it stays under ``limit``.
+    ``target/2`` only if the first two predict that it stays under ``limit``. See NOTE
+    [ Predicting the peak of a larger batch ].
 
-    ``measure(batch)`` runs one step at that batch and returns its peak. Batches at or above
-    ``target`` are never run unless ``target`` itself is tiny (<= 4), when it is simply measured.
+    ``measure(batch, timeline)`` runs one step at that batch, appends the live bytes after each
+    operator to ``timeline`` and returns the peak. Batches at or above ``target`` are never run
+    unless ``target`` itself is tiny (<= 4), when it is simply measured.
     """
     if target <= 4:
-        peak = measure(target)
+        peak = measure(target, [])
         return peak, [(target, peak)]
-    b1, b2 = _small_batches(target)
-    points = [(b1, measure(b1)), (b2, measure(b2))]
+    lines: list[tuple[int, list[int]]] = []
+    points: list[tuple[int, int]] = []
+    for batch in _small_batches(target):
+        timeline: list[int] = []
+        points.append((batch, measure(batch, timeline)))
+        lines.append((batch, timeline))
     b3 = target // 2
-    if b3 > b2 and (limit is None or _affine(points, b3) <= limit):
-        points.append((b3, measure(b3)))
-    return _affine(points, target), points
+    if b3 > points[-1][0] and (
+        limit is None or _predict_from_timelines(lines, points, b3) <= limit
+    ):
+        timeline = []
+        points.append((b3, measure(b3, timeline)))
+        lines.append((b3, timeline))
+    return _predict_from_timelines(lines, points, target), points
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,9 +537,10 @@ def _peak_measurer(
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None,
     device: torch.device,
-) -> Callable[[int], int]:
-    def measure(batch: int) -> int:
-        return _measure_memory(model, _batch_of(example, batch), loss_fn, optimizer, device)[0]
+) -> Callable[[int, list[int]], int]:
+    def measure(batch: int, timeline: list[int]) -> int:
+        x = _batch_of(example, batch)
+        return _measure_memory(model, x, loss_fn, optimizer, device, timeline)[0]
 
     return measure
 
