@@ -1133,3 +1133,31 @@ def test_each_graph_exec_group_recomputes_even_when_an_old_group_id_is_reused() 
     expected = torch.autograd.grad(x.sin().exp().sum(), x)[0]
     for g in grads:
         torch.testing.assert_close(g, expected, rtol=0, atol=0)
+
+
+def test_a_tensor_passed_in_several_places_is_one_object_when_recomputed() -> None:
+    """MultiheadAttention(x, x, x) checks `query is key` to pick its self-attention path; the
+    recomputation must see one object in all three places, or it runs other ops."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return mha(q, k, v, need_weights=False)[0]
+
+    def outer(t: torch.Tensor) -> torch.Tensor:
+        h = t * 2  # an intermediate, saved through the enclosing region's hooks
+        return checkpoint(attend, h, h, h)
+
+    h = x * 2
+    expected = attend(h, h, h)
+    expected.sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in mha.parameters()]
+    x.grad = None
+    mha.zero_grad(set_to_none=True)
+    out = checkpoint(outer, x)  # nested: the inner inputs come back through unpack hooks
+    out.sum().backward()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    got = [x.grad] + [p.grad for p in mha.parameters()]
+    for a, b in zip(got, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -190,6 +190,7 @@ class _Frame:
         "spec",
         "leaves",
         "tensor_pos",
+        "same_as",
         "saved",
         "holders",
         "metas",
@@ -233,6 +234,8 @@ class _Frame:
 
     def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         tensors = [s.unpack() for s in self.saved] if self.saved else []
+        if self.same_as is not None:  # one tensor passed in several places: one object again
+            tensors = [tensors[i] for i in self.same_as]
         if self.spec is None:
             if not tensors:
                 return self.args, self.kwargs
@@ -819,6 +822,24 @@ def checkpoint(
         recompute_ctx = _stacked(frame.logs.recompute, recompute_ctx)
     frame.recompute_ctx = recompute_ctx
 
+    # NOTE [ Repeated tensor arguments ]
+    # A tensor passed in several places (MultiheadAttention(x, x, x)) is saved once and handed
+    # back as one object in all of them: code that tests identity (``query is key``) must take
+    # the same path when recomputed, or it saves different tensors.
+    frame.same_as = None
+    if len(tensors) > 1:
+        index_of: dict[int, int] = {}
+        unique: list[torch.Tensor] = []
+        same_as = []
+        for t in tensors:
+            index = index_of.get(id(t))
+            if index is None:
+                index = index_of[id(t)] = len(unique)
+                unique.append(t)
+            same_as.append(index)
+        if len(unique) < len(tensors):
+            frame.same_as = same_as
+            tensors = unique
     if _make_saved_tensor is not None:
         frame.saved = [_make_saved_tensor(t, is_output=False) for t in tensors]
     else:  # pragma: no cover
