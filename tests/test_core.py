@@ -1161,3 +1161,59 @@ def test_a_tensor_passed_in_several_places_is_one_object_when_recomputed() -> No
     got = [x.grad] + [p.grad for p in mha.parameters()]
     for a, b in zip(got, grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.fixture
+def without_make_saved_tensor(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The path for torch builds that lack torch._C._autograd._make_saved_tensor; the list
+    counts the calls of the fallback that saves inputs through an autograd Function."""
+    import vision_ckpt._core as core
+
+    calls: list[int] = []
+    real = core._save_with_function
+
+    def counting(tensors: list[torch.Tensor]) -> list[Any]:
+        calls.append(len(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(core, "_make_saved_tensor", None)
+    monkeypatch.setattr(core, "_save_with_function", counting)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["plain", "nested", "retain_twice", "double_backward", "list"])
+def test_inputs_saved_through_an_autograd_function_on_older_torch(
+    case: str, without_make_saved_tensor: list[int]
+) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    lin = torch.nn.Linear(8, 8)
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(lin(t).tanh(), 0.3).exp()
+
+    def run(ckpt: bool) -> list[torch.Tensor]:
+        x.grad = None
+        lin.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        if case == "nested":
+            y = checkpoint(lambda t: checkpoint(f, t) * 2, x) if ckpt else f(x) * 2
+        elif case == "list":
+            y = checkpoint(lambda ts: f(ts[0] + ts[1]), [x, x * 2]) if ckpt else f(x + x * 2)
+        else:
+            y = checkpoint(f, x) if ckpt else f(x)
+        if case == "retain_twice":
+            y.sum().backward(retain_graph=True)
+            y.sum().backward()
+        elif case == "double_backward":
+            (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+            g.square().sum().backward()
+        else:
+            y.sum().backward()
+        return [y.detach(), x.grad, lin.weight.grad, lin.bias.grad]
+
+    expected = run(False)
+    got = run(True)
+    assert without_make_saved_tensor, "the fallback was not used"
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -842,7 +842,7 @@ def checkpoint(
             tensors = unique
     if _make_saved_tensor is not None:
         frame.saved = [_make_saved_tensor(t, is_output=False) for t in tensors]
-    else:  # pragma: no cover
+    else:
         frame.saved = _save_with_function(tensors)
 
     state = _state
@@ -907,7 +907,7 @@ def _stacked(first: Any, second: Any) -> Iterator[None]:
                 yield
 
 
-class _SaveInputs(torch.autograd.Function):  # pragma: no cover - older torch only
+class _SaveInputs(torch.autograd.Function):  # for torch without _make_saved_tensor
     @staticmethod
     def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(*tensors)
@@ -918,7 +918,7 @@ class _SaveInputs(torch.autograd.Function):  # pragma: no cover - older torch on
         return (None,) * (1 + len(ctx.saved_tensors))
 
 
-class _SavedViaNode:  # pragma: no cover - older torch only
+class _SavedViaNode:  # for torch without _make_saved_tensor
     __slots__ = ("node", "index")
 
     def __init__(self, node: Any, index: int) -> None:
@@ -929,7 +929,7 @@ class _SavedViaNode:  # pragma: no cover - older torch only
         return self.node.saved_tensors[self.index]
 
 
-def _save_with_function(tensors: list[torch.Tensor]) -> list[Any]:  # pragma: no cover
+def _save_with_function(tensors: list[torch.Tensor]) -> list[Any]:
     if not tensors:
         return []
     dummy = torch.empty(0, requires_grad=True)
