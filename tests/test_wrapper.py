@@ -254,3 +254,15 @@ def test_nesting_error_lists_the_modes():
         ConfigError, match=r"nesting 'inner' is not a nesting mode; allowed: 'all' .*'outermost'"
     ):
         ActivationCheckpointing(2, nesting="inner")
+
+
+def test_reentrant_with_a_context_fn_is_an_error_not_a_silent_drop():
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    policy = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    wrapper = ActivationCheckpointing(1, 3, context_fn=policy)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(ConfigError, match="use_reentrant=True cannot honour context_fn"):
+        wrapper(torch.nn.Linear(4, 4), x, use_reentrant=True)

@@ -322,20 +322,20 @@ def _maybe_checkpoint(
     if policy._outermost and _core._region_depth() > 0:
         return fn(*args, **kwargs)
     if use_reentrant:
-        return _reentrant_checkpoint(fn, args, kwargs, policy.preserve_rng_state)
-    context_fn = policy.context_fn
-    if context_fn is None:
-        return _core.checkpoint(
-            _RunAtLevel(fn, ambient),
-            *args,
-            preserve_rng_state=policy.preserve_rng_state,
-            **kwargs,
+        if policy.context_fn is not None:
+            raise ConfigError(
+                "use_reentrant=True cannot honour context_fn (selective checkpointing): torch's "
+                "reentrant checkpoint has no such option. Drop use_reentrant=True, or the "
+                "context_fn / selective setting."
+            )
+        return _reentrant_checkpoint(
+            _RunAtLevel(fn, ambient), args, kwargs, policy.preserve_rng_state
         )
     return _core.checkpoint(
         _RunAtLevel(fn, ambient),
         *args,
         preserve_rng_state=policy.preserve_rng_state,
-        context_fn=context_fn,
+        context_fn=policy.context_fn,
         **kwargs,
     )
 
