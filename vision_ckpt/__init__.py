@@ -32,6 +32,11 @@ from .errors import (
     VisionCkptInternalError as VisionCkptInternalError,
 )
 from .levels import Level as Level, is_checkpointed as is_checkpointed, parse_level as parse_level
+from .presets import (
+    list_presets as list_presets,
+    load_preset as load_preset,
+    preset_for_model as preset_for_model,
+)
 from .profile import (
     BudgetPlan as BudgetPlan,
     LevelProfile as LevelProfile,
@@ -75,6 +80,9 @@ __all__ = [
     "apply",
     "remove",
     "apply_preset",
+    "list_presets",
+    "load_preset",
+    "preset_for_model",
     "profile",
     "suggest_level",
     "plan_for_budget",
