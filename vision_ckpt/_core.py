@@ -609,20 +609,31 @@ def _describe_difference(index: int, before: tuple[Any, ...], now: tuple[Any, ..
     return f"saved tensor #{index}: " + ", ".join(parts)
 
 
-def _region_name(fn: Any) -> str:
-    """A human name for a checkpointed callable: ``__vision_ckpt_region__`` if set, else derived."""
+def _region_label(fn: Any) -> str:
+    """The plain name of a checkpointed callable: its ``__vision_ckpt_region__`` if it has one,
+    else the module's class, ``Class.method`` for a module's bound method (also inside a
+    ``functools.partial``), or the function's qualified name."""
     name = getattr(fn, "__vision_ckpt_region__", None)
     if isinstance(name, str):
-        return repr(name)
+        return name
     if isinstance(fn, torch.nn.Module):
-        return f"'{type(fn).__name__}' (module)"
+        return type(fn).__name__
     inner = getattr(fn, "func", None)  # functools.partial
     if inner is not None and callable(inner):
-        return _region_name(inner)
+        return _region_label(inner)
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, torch.nn.Module):
-        return f"'{type(owner).__name__}.{getattr(fn, '__name__', 'forward')}'"
-    return repr(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn))
+        return f"{type(owner).__name__}.{getattr(fn, '__name__', 'forward')}"
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _region_name(fn: Any) -> str:
+    """The region as error messages quote it: ``'Block' (module)``, ``'Block.forward'``."""
+    text = repr(_region_label(fn))
+    named = isinstance(getattr(fn, "__vision_ckpt_region__", None), str)
+    if isinstance(fn, torch.nn.Module) and not named:
+        text += " (module)"
+    return text
 
 
 def _user_saved_tensors_hooks() -> Any:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from ._memory import count_saved_bytes, track_peak_memory
@@ -55,23 +56,14 @@ LossFn = Callable[[Any], torch.Tensor]
 def default_loss(output: Any) -> torch.Tensor:
     """Mean of squares over every floating-point tensor of the output: a real scalar loss that
     reaches every output element, so backward is the full backward of the model."""
-    tensors = [t for t in _leaves(output) if t.is_floating_point()]
+    tensors = [
+        t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
     if not tensors:
         raise VisionCkptError(
             "the model returned no floating-point tensor to build a loss from; pass loss_fn=..."
         )
     return sum(t.float().square().mean() for t in tensors)  # type: ignore[return-value]
-
-
-def _leaves(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _leaves(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _leaves(v)
 
 
 @dataclass

@@ -186,16 +186,7 @@ class _RunAtLevel:
 
     @property
     def __vision_ckpt_region__(self) -> str:
-        fn = self.fn
-        name = getattr(fn, "__vision_ckpt_region__", None)
-        if isinstance(name, str):
-            return name
-        if isinstance(fn, nn.Module):
-            return type(fn).__name__
-        owner = getattr(fn, "__self__", None)
-        if isinstance(owner, nn.Module):
-            return f"{type(owner).__name__}.{getattr(fn, '__name__', 'forward')}"
-        return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+        return _core._region_label(self.fn)
 
 
 _reentrant_warned = False
