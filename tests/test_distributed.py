@@ -277,23 +277,16 @@ def test_a_plan_made_before_fully_shard_does_not_fit_after_it(group_of_one) -> N
         vision_ckpt.apply(model, cfg)  # the match_type: TinyViT rule
 
 
-def test_apply_then_fully_shard_keeps_the_checkpointed_forward(group_of_one, monkeypatch) -> None:
+def test_apply_then_fully_shard_keeps_the_checkpointed_forward(group_of_one, core_calls) -> None:
     from torch.distributed.fsdp import fully_shard
 
     model = make_model(3)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    calls = []
-    original = vision_ckpt._core.checkpoint
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(vision_ckpt._core, "checkpoint", counting)
+    core_calls.clear()
     train(model)
-    assert calls, "fully_shard dropped the forward installed by vision_ckpt.apply"
+    assert core_calls, "fully_shard dropped the forward installed by vision_ckpt.apply"
 
 
 def test_track_peak_memory_follows_fsdp2_parameters(group_of_one) -> None:

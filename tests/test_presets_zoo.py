@@ -31,7 +31,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import vision_ckpt
-from vision_ckpt import _core
 from vision_ckpt._memory import count_saved_bytes
 from vision_ckpt.apply import apply, plan, remove
 from vision_ckpt.config import CheckpointConfig
@@ -237,19 +236,6 @@ def _global_level_off():
     vision_ckpt.set_training_level(0)
     yield
     vision_ckpt.set_training_level(0)
-
-
-@pytest.fixture
-def core_calls(monkeypatch):
-    calls: list[Any] = []
-    real = _core.checkpoint
-
-    def counting(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(fn)
-        return real(fn, *args, **kwargs)
-
-    monkeypatch.setattr(_core, "checkpoint", counting)
-    return calls
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
