@@ -30,11 +30,13 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples")]
+from _blocks import record_core_calls  # noqa: E402
 from _models import LEVEL_RULES, make  # noqa: E402
 
 import vision_ckpt  # noqa: E402
-from vision_ckpt import _core, apply, training_level  # noqa: E402
+from vision_ckpt import apply, training_level  # noqa: E402
 from vision_ckpt._memory import format_bytes, track_peak_memory  # noqa: E402
 
 TIMM_VIT_RULES = [
@@ -101,23 +103,12 @@ def _saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
 
 def _measure(model: nn.Module, x: torch.Tensor, repeats: int) -> dict[str, float]:
-    calls = 0
-    real = _core.checkpoint
-
-    def counting(*args, **kwargs):
-        nonlocal calls
-        calls += 1
-        return real(*args, **kwargs)
-
     saved = _saved_activation_bytes(model, x)
     with track_peak_memory(model) as mem:
         model(x).float().square().mean().backward()
     model.zero_grad(set_to_none=True)
-    _core.checkpoint = counting
-    try:
+    with record_core_calls() as calls:  # forward and recomputation calls alike
         model(x).float().square().mean().backward()
-    finally:
-        _core.checkpoint = real
     model.zero_grad(set_to_none=True)
     times = []
     for _ in range(repeats):
@@ -128,7 +119,7 @@ def _measure(model: nn.Module, x: torch.Tensor, repeats: int) -> dict[str, float
     return {
         "saved": saved,
         "peak": mem.peak_bytes - mem.start_bytes,
-        "calls": calls,
+        "calls": len(calls),
         "ms": 1e3 * statistics.median(times),
     }
 

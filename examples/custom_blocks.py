@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from _blocks import DropPath, PatchMerging, Transition, record_core_calls
 from einops import rearrange
 from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-import vision_ckpt
 from vision_ckpt import ActivationCheckpointing, training_level
 from vision_ckpt._memory import count_saved_bytes, format_bytes, track_peak_memory
 
@@ -68,20 +68,6 @@ def window_merge(x: torch.Tensor, window: int, batch: int, height: int) -> torch
     return rearrange(
         x, "(b nh nw) (p q) c -> b (nh p) (nw q) c", b=batch, nh=height // window, p=window
     )
-
-
-class DropPath(nn.Module):
-    """Drops the whole residual branch of a sample with probability ``p`` (stochastic depth)."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1.0 - self.p)
-        return x * keep / (1.0 - self.p)
 
 
 class WindowAttention(nn.Module):
@@ -149,18 +135,6 @@ class SwinBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop_path(self.ckpt_attn(self._attn_branch, x))
         return x + self.drop_path(self.ckpt_mlp(self._mlp_branch, x))
-
-
-class PatchMerging(nn.Module):
-    """2x2 neighbourhood to channels, then a linear reduction: halves h and w, doubles c."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(4 * dim)
-        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduction(self.norm(rearrange(x, "b (h p) (w q) c -> b h w (p q c)", p=2, q=2)))
 
 
 class SwinStage(nn.Module):
@@ -252,13 +226,6 @@ class DenseBlock(nn.Module):
         return torch.cat(features, dim=1)
 
 
-class Transition(nn.Sequential):
-    """BN, ReLU, 1x1 conv and 2x2 average pooling between dense blocks."""
-
-    def __init__(self, cin: int, cout: int) -> None:
-        super().__init__(nn.BatchNorm2d(cin), nn.ReLU(), nn.Conv2d(cin, cout, 1), nn.AvgPool2d(2))
-
-
 class DenseNet(nn.Module):
     """Stem, dense block, transition, dense block (the trunk), then pooling and a linear head."""
 
@@ -318,28 +285,6 @@ class LevelRow:
         return self.max_grad_diff == 0.0
 
 
-class _CountCalls:
-    """Counts the calls to ``vision_ckpt._core.checkpoint`` made while it is installed."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self._original = vision_ckpt._core.checkpoint
-
-    def __enter__(self) -> _CountCalls:
-        original = self._original
-
-        def counting(*args, **kwargs):
-            if not vision_ckpt.is_recomputing():
-                self.calls += 1
-            return original(*args, **kwargs)
-
-        vision_ckpt._core.checkpoint = counting
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        vision_ckpt._core.checkpoint = self._original
-
-
 def measure(
     net: nn.Module, batch: int, image_size: int, levels: Sequence[int] = range(6), seed: int = 0
 ) -> list[LevelRow]:
@@ -357,7 +302,7 @@ def measure(
         model = copy.deepcopy(net).train()
         torch.manual_seed(seed + 1)  # the dropout and drop-path masks
         with training_level(level), track_peak_memory(model) as peak:
-            with _CountCalls() as counter, count_saved_bytes() as saved:
+            with record_core_calls() as calls, count_saved_bytes() as saved:
                 loss = F.cross_entropy(model(x), y)
             loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -369,7 +314,7 @@ def measure(
                 level=int(level),
                 saved_bytes=saved.nbytes,
                 peak_bytes=peak.activation_bytes,
-                checkpoint_calls=counter.calls,
+                checkpoint_calls=calls.count(False),
                 loss=loss.item(),
                 max_grad_diff=diff,
             )

@@ -3,31 +3,25 @@
 Each has dropout and drop-path (or feature dropout), runs on a few-pixel image in milliseconds,
 and comes with ``LEVEL_RULES``: a config that gives its modules levels 1 to 5 following the level
 table (1 a layer with its norm, 2 attention/MLP/dense layer, 3 a transformer layer or transition,
-4 a stage or dense block, 5 the trunk).
+4 a stage or dense block, 5 the trunk). Blocks the examples use too come from
+``examples/_blocks.py``.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+# DropPath, PatchMerging and Transition are shared with the examples and benchmarks.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _blocks import DropPath, PatchMerging, Transition  # noqa: E402
+
 __all__ = ["TinyViT", "TinySwin", "TinyDenseNet", "MODELS", "LEVEL_RULES", "make"]
-
-
-class DropPath(nn.Module):
-    """Stochastic depth per sample."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1.0 - self.p)
-        return x * keep / (1.0 - self.p)
 
 
 class Attention(nn.Module):
@@ -124,17 +118,6 @@ class SwinBlock(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-class PatchMerging(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(4 * dim)
-        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = rearrange(x, "b (h p) (w q) c -> b h w (p q c)", p=2, q=2)
-        return self.reduction(self.norm(x))
-
-
 class SwinStage(nn.Module):
     def __init__(self, dim: int, depth: int, window: int, downsample: bool) -> None:
         super().__init__()
@@ -191,11 +174,6 @@ class DenseBlock(nn.Module):
         for layer in self.layers:
             features.append(layer(features))  # the list keeps growing after each call
         return torch.cat(features, dim=1)
-
-
-class Transition(nn.Sequential):
-    def __init__(self, cin: int, cout: int) -> None:
-        super().__init__(nn.BatchNorm2d(cin), nn.ReLU(), nn.Conv2d(cin, cout, 1), nn.AvgPool2d(2))
 
 
 class TinyDenseNet(nn.Module):
