@@ -51,7 +51,7 @@ def test_defaults() -> None:
     cfg = CheckpointConfig()
     assert cfg.training_checkpoint_level is None
     assert cfg.rules == () and cfg.preset is None and cfg.selective is None
-    assert cfg.nesting == "all" and cfg.preserve_rng_state and cfg.strict
+    assert cfg.nesting == "auto" and cfg.preserve_rng_state and cfg.strict
 
 
 def test_levels_accept_ints_names_and_digit_strings() -> None:
@@ -141,7 +141,7 @@ ALLOWED_LEVELS = r"allowed: 0 \(NONE\), 1 \(SINGLE_LAYER\), 2 \(SMALL_BLOCK\)"
 @pytest.mark.parametrize(
     ("data", "match"),
     [
-        ({"nesting": "inner"}, r"nesting: got 'inner'; allowed: 'all', 'outermost'"),
+        ({"nesting": "inner"}, r"nesting: got 'inner'; allowed: 'auto', 'all', 'outermost'"),
         (
             {"rulez": []},
             r"rulez: unknown key 'rulez'; allowed keys: training_checkpoint_level, .*"
@@ -162,7 +162,8 @@ ALLOWED_LEVELS = r"allowed: 0 \(NONE\), 1 \(SINGLE_LAYER\), 2 \(SMALL_BLOCK\)"
         ),
         (
             {"rules": [{"match": "a", "levle": 1}]},
-            r"rules\[0\]\.levle: unknown key 'levle'; allowed keys: match, match_type, level\. "
+            r"rules\[0\]\.levle: unknown key 'levle'; allowed keys: match, match_type, level, "
+            r"strategy, segments, recompute_below\. "
             r"Did you mean 'level'\?",
         ),
         ({"rules": [{"match": "a..b", "level": 1}]}, r"rules\[0\]\.match: .*empty component"),

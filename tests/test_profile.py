@@ -8,8 +8,9 @@ import torch
 
 import vision_ckpt
 from vision_ckpt import profile, suggest_level
+from vision_ckpt._measure import Workload, batch_of, measure_memory
 from vision_ckpt._memory import track_peak_memory
-from vision_ckpt.profile import _batch_of, _measure_memory, default_loss, plan_for_budget
+from vision_ckpt.profile import default_loss, plan_for_budget
 
 
 def _mobilenet() -> torch.nn.Module:
@@ -37,7 +38,7 @@ def _measured_peak(model: torch.nn.Module, x: torch.Tensor, level: int) -> int:
     plan = vision_ckpt.apply(model, vision_ckpt.CheckpointConfig(preset="auto"))
     try:
         with vision_ckpt.training_level(level):
-            peak = _measure_memory(model, x, default_loss, None, x.device)[0]
+            peak = measure_memory(Workload(model, x), x)[0]
     finally:
         vision_ckpt.remove(model)
     assert len(plan) > 0
@@ -108,17 +109,17 @@ def test_predicted_peak_is_within_ten_percent_of_the_measured_peak(make) -> None
     example = _x(2)
     suggestion = suggest_level(model, example, "64GiB", batch_size=16, levels=[0, 3, 5])
     for level, predicted in suggestion.predicted_peak.items():
-        measured = _measured_peak(model, _batch_of(example, 16), level)
+        measured = _measured_peak(model, batch_of(example, 16), level)
         assert abs(predicted - measured) <= 0.10 * measured, (level, predicted, measured)
 
 
 def test_suggest_level_picks_the_lowest_level_whose_measured_peak_fits() -> None:
     model, example = _mobilenet(), _x(2)
-    peaks = {lv: _measured_peak(model, _batch_of(example, 8), lv) for lv in (0, 5)}
+    peaks = {lv: _measured_peak(model, batch_of(example, 8), lv) for lv in (0, 5)}
     budget = (peaks[0] + peaks[5]) // 2
     suggestion = suggest_level(model, example, budget, batch_size=8, margin=0.0)
     assert suggestion.fits and suggestion.level > 0
-    assert _measured_peak(model, _batch_of(example, 8), suggestion.level) <= budget
+    assert _measured_peak(model, batch_of(example, 8), suggestion.level) <= budget
     assert all(
         suggestion.predicted_peak[lv] > budget
         for lv in suggestion.predicted_peak
@@ -135,7 +136,7 @@ def test_suggest_level_says_when_nothing_fits() -> None:
 
 def test_plan_for_budget_fits_between_uniform_levels_and_checkpoints_less() -> None:
     model, example = _mobilenet(), _x(2)
-    target = _batch_of(example, 8)
+    target = batch_of(example, 8)
     peak0 = _measured_peak(model, target, 0)
     peak5 = _measured_peak(model, target, 5)
     budget = (peak0 + peak5) // 2
@@ -183,7 +184,11 @@ def test_regions_column_follows_the_nesting_mode() -> None:
         with vision_ckpt.training_level(entry.level):
             checkpointed = vision_ckpt.plan(model, config).checkpointed
         assert entry.regions == len(checkpointed)
-    assert result.level(5).regions == 1  # the whole trunk, nothing inside it
+    # The whole trunk, and its layers inside it: the trunk is a group (level 5), so its layers
+    # stay checkpointed while it is recomputed, even with outermost (NOTE [ Nesting ]).
+    depth = len(model.blocks)
+    assert result.level(5).regions == 1 + depth
+    assert result.level(3).regions == depth
 
 
 def test_plan_for_budget_config_checkpoints_exactly_the_chosen_blocks() -> None:
@@ -219,8 +224,8 @@ def test_plan_for_budget_config_checkpoints_exactly_the_chosen_blocks() -> None:
     peaks = {}
     for level in (0, 3):
         vision_ckpt.apply(model, config.model_copy(update={"training_checkpoint_level": level}))
-        target = _batch_of(example, 8)
-        peaks[level] = _measure_memory(model, target, default_loss, None, target.device)[0]
+        target = batch_of(example, 8)
+        peaks[level] = measure_memory(Workload(model, target), target)[0]
         vision_ckpt.remove(model)
     result = plan_for_budget(
         model, example, (peaks[0] + peaks[3]) // 2, batch_size=8, config=config, margin=0.0

@@ -25,15 +25,44 @@ from typing import Any
 
 from torch import nn
 
+from ._install import install, uninstall
+from ._install import installed as _installed, reinstall as _reinstall  # noqa: F401 (profile.py, until it imports _install)
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
-from .levels import Level, is_checkpointed, parse_level
+from .levels import Level, is_group, parse_level
 from .matching import ModuleMatcher, qualified_class_name
-from .wrapper import _CheckpointedForward, _SaveOps, get_training_level
+from .wrapper import HEAVY_OPS, Policy, Rung, SaveOps, get_training_level
 
-__all__ = ["PlanEntry", "CheckpointPlan", "plan", "apply", "remove", "apply_preset"]
+__all__ = ["PlanEntry", "PlannedRung", "CheckpointPlan", "plan", "apply", "remove", "apply_preset"]
 
 ConfigLike = CheckpointConfig | Mapping[str, Any] | str | Path
+
+
+@dataclass(frozen=True)
+class PlannedRung:
+    """One way a planned module is checkpointed, from a level on."""
+
+    level: Level
+    """The lowest training level at which this applies."""
+    strategy: str
+    """``full`` or ``selective`` (see ``LevelRule.strategy``)."""
+    segments: int | str | None = None
+    """``auto`` or k for a stack checkpointed as groups of layers; ``None`` otherwise."""
+    recompute_below: int | None = None
+    """For ``selective``: convolutions/matmuls cheaper than this (FLOPs per output) are redone."""
+
+    @property
+    def group(self) -> bool:
+        """A group of layers: level 4-5 or segmented (see ``CheckpointConfig.nesting``)."""
+        return is_group(self.level) or self.segments is not None
+
+    def __str__(self) -> str:
+        text = "segments" if self.segments is not None else self.strategy
+        if self.segments not in (None, "auto"):
+            text += f"/{self.segments}"
+        if self.recompute_below is not None:
+            text += f"<{self.recompute_below}"
+        return f"{text} {int(self.level)}"
 
 
 @dataclass(frozen=True)
@@ -45,13 +74,24 @@ class PlanEntry:
     class_name: str
     """``type(module).__name__``."""
     level: Level
-    """The module's level, from the last rule that selected it."""
+    """The lowest level at which the module is checkpointed in any way (0: never)."""
     checkpointed: bool
     """Whether it is checkpointed at the plan's training level (in training mode, with grad)."""
     rule: str
-    """The rule that decided the level, e.g. ``match='blocks.*' level=3``."""
+    """The rules that decided its rungs, e.g. ``match='blocks.*' level=3``."""
     origin: str
-    """Where that rule comes from: ``rules[2]`` of the config, ``preset vit #3``, ``fallback``."""
+    """Where those rules come from: ``rules[2]`` of the config, ``preset vit #3``, ``fallback``."""
+    rungs: tuple[PlannedRung, ...] = ()
+    """Every way it is checkpointed, by increasing level (one per level)."""
+
+    def rung_at(self, level: int) -> PlannedRung | None:
+        """The rung that applies at training ``level``: the highest one within it."""
+        chosen = None
+        for rung in self.rungs:
+            if rung.level > level:
+                break
+            chosen = rung
+        return chosen
 
 
 @dataclass(frozen=True)
@@ -127,14 +167,15 @@ class CheckpointPlan:
         if self.save_ops:
             title += f", saving outputs of {', '.join(self.save_ops)}"
         table = Table(title=title, title_justify="left", box=None, pad_edge=False)
-        for column in ("module", "class", "level", "checkpointed", "rule", "origin"):
+        for column in ("module", "class", "levels", "checkpointed", "rule", "origin"):
             table.add_column(column, overflow="fold")
         for e in self.entries:
+            rung = e.rung_at(self.training_level) if e.checkpointed else None
             table.add_row(
                 e.name or "(model)",
                 e.class_name,
-                str(int(e.level)),
-                "yes" if e.checkpointed else "-",
+                ", ".join(map(str, e.rungs)) or "0",
+                "-" if rung is None else ("segments" if rung.segments else rung.strategy),
                 e.rule,
                 e.origin,
             )
@@ -144,14 +185,24 @@ class CheckpointPlan:
 
 
 def _decide(entries: tuple[PlanEntry, ...], level: Level, nesting: str) -> tuple[PlanEntry, ...]:
-    """Recompute ``checkpointed`` for every entry at ``level`` under ``nesting``."""
-    eligible = {e.name for e in entries if is_checkpointed(e.level, level)}
+    """Recompute ``checkpointed`` for every entry at ``level`` under ``nesting``, as the installed
+    forwards decide at call time (``wrapper.choose_rung``): an eligible module inside a
+    checkpointed one is checkpointed again with ``all``, inside a group, or (``auto``) when its
+    own rung is selective. Entries come parents first (``named_modules()`` order)."""
+    on: dict[str, PlannedRung] = {}  # checkpointed entries and their rung
     out = []
     for e in entries:
-        on = e.name in eligible
-        if on and nesting == "outermost":
-            on = not any(_is_ancestor(other, e.name) for other in eligible)
-        out.append(replace(e, checkpointed=on) if on != e.checkpointed else e)
+        rung = e.rung_at(level)
+        decided = rung is not None
+        if decided:
+            outer = [name for name in on if _is_ancestor(name, e.name)]
+            if outer and nesting != "all":
+                enclosing = on[max(outer, key=len)]
+                selective_ok = nesting == "auto" and rung.strategy == "selective"
+                decided = enclosing.group or selective_ok
+        if decided:
+            on[e.name] = rung  # type: ignore[assignment]
+        out.append(replace(e, checkpointed=decided) if decided != e.checkpointed else e)
     return tuple(out)
 
 
@@ -235,7 +286,7 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
     save_ops = None
     if cfg.selective is not None:
         save_ops = cfg.selective.save_ops
-        _SaveOps(save_ops).resolve()  # unknown op names fail here, before anything runs
+        SaveOps(save_ops).resolve()  # unknown op names fail here, before anything runs
 
     modules = [(n, m) for n, m in model.named_modules()]
     class_names = {n: (type(m).__name__, qualified_class_name(m)) for n, m in modules}
@@ -245,30 +296,30 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
         ordered += [(rule, origin, False) for rule, origin in _preset_rules(model, cfg.preset)]
     ordered += [(rule, f"rules[{i}]", True) for i, rule in enumerate(cfg.rules)]
 
-    decided: dict[str, tuple[LevelRule, str]] = {}
+    # Per module, per strategy ("full" or "selective"): the last rule that set it. A rule of
+    # level 0 clears every strategy of the modules it selects.
+    decided: dict[str, dict[str, tuple[LevelRule, str]]] = {}
     for rule, origin, required in ordered:
         matcher = ModuleMatcher(rule.match, rule.match_type)
         hits = [n for n, m in modules if matcher.matches(n, *class_names[n])]
         callable_hits = [n for n in hits if _has_forward(model.get_submodule(n))]
         if required and not callable_hits:
             _no_match(model, modules, rule, origin, hits, strict=cfg.strict)
+        if rule.segments is not None:
+            _check_segments(model, rule, origin, callable_hits)
         for name in callable_hits:
-            decided[name] = (rule, origin)
+            if rule.level == 0:
+                decided[name] = {"none": (rule, origin)}
+            else:
+                by_strategy = decided.setdefault(name, {})
+                by_strategy.pop("none", None)
+                for other in [k for k, (r, _) in by_strategy.items() if r.level == rule.level]:
+                    del by_strategy[other]  # a later rule at the same level replaces it
+                by_strategy[rule.strategy] = (rule, origin)
 
     pinned = cfg.training_checkpoint_level
     level = pinned if pinned is not None else get_training_level()
-    entries = tuple(
-        PlanEntry(
-            name=n,
-            class_name=class_names[n][0],
-            level=decided[n][0].level,
-            checkpointed=False,
-            rule=str(decided[n][0]),
-            origin=decided[n][1],
-        )
-        for n, _ in modules
-        if n in decided
-    )
+    entries = tuple(_entry(n, class_names[n][0], decided[n]) for n, _ in modules if n in decided)
     return CheckpointPlan(
         model_class=_model_label(model),
         entries=_decide(entries, level, cfg.nesting),
@@ -278,6 +329,42 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
         preserve_rng_state=cfg.preserve_rng_state,
         save_ops=save_ops,
     )
+
+
+def _entry(name: str, class_name: str, rules: dict[str, tuple[LevelRule, str]]) -> PlanEntry:
+    """The plan entry of one module from the rules that decided its strategies."""
+    by_level: dict[int, PlannedRung] = {}
+    for strategy in ("selective", "full"):
+        if strategy in rules:
+            rule = rules[strategy][0]
+            by_level[int(rule.level)] = PlannedRung(
+                rule.level, strategy, rule.segments, rule.recompute_below
+            )
+    rungs = tuple(by_level[k] for k in sorted(by_level))
+    used = sorted(rules.values(), key=lambda r: int(r[0].level))
+    return PlanEntry(
+        name=name,
+        class_name=class_name,
+        level=rungs[0].level if rungs else Level.NONE,
+        checkpointed=False,
+        rule="; ".join(str(r) for r, _ in used),
+        origin="; ".join(dict.fromkeys(o for _, o in used)),
+        rungs=rungs,
+    )
+
+
+def _check_segments(model: nn.Module, rule: LevelRule, origin: str, names: list[str]) -> None:
+    for name in names:
+        module = model.get_submodule(name)
+        if not isinstance(module, nn.Sequential) or type(module).forward is not (
+            nn.Sequential.forward
+        ):
+            raise ConfigError(
+                f"{origin} ({rule}) gives segments to {name or '(model)'!r}, a "
+                f"{type(module).__name__}; segments split an nn.Sequential (a stack of layers "
+                "called one after the other) into groups, and this module has its own forward. "
+                "Select the nn.Sequential that holds the layers, or drop segments."
+            )
 
 
 def _no_match(
@@ -369,21 +456,30 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
                 "vision_ckpt.plan(model, config) for this very model."
             )
         installs.append((entry, module))
-    context_fn = _SaveOps(the_plan.save_ops) if the_plan.save_ops is not None else None
     remove(model)
-    for entry, module in installs:
-        if entry.level == 0:
-            continue  # never checkpointed: leave the module untouched
-        module.__dict__["forward"] = _CheckpointedForward(
-            module,
-            entry.name,
-            entry.level,
-            the_plan.pinned_training_level,
-            the_plan.nesting,  # type: ignore[arg-type]
-            the_plan.preserve_rng_state,
-            context_fn,
-        )
+    install(
+        (module, entry.name, _policy(the_plan, entry))
+        for entry, module in installs
+        if entry.rungs  # never checkpointed: leave the module untouched
+    )
     return the_plan
+
+
+def _policy(the_plan: CheckpointPlan, entry: PlanEntry) -> Policy:
+    keep = the_plan.save_ops
+    rungs = []
+    for r in entry.rungs:
+        if r.strategy == "selective":
+            context_fn = SaveOps(keep if keep else HEAVY_OPS, r.recompute_below)
+        else:
+            context_fn = SaveOps(keep) if keep is not None else None
+        rungs.append(Rung(r.level, r.strategy, r.segments, context_fn))  # type: ignore[arg-type]
+    return Policy(
+        tuple(rungs),
+        the_plan.pinned_training_level,
+        the_plan.nesting,  # type: ignore[arg-type]
+        the_plan.preserve_rng_state,
+    )
 
 
 def remove(model: nn.Module) -> int:
@@ -393,34 +489,7 @@ def remove(model: nn.Module) -> int:
     >>> remove(torch.nn.Linear(2, 2))
     0
     """
-    count = 0
-    for module in model.modules():
-        installed = module.__dict__.get("forward")
-        if isinstance(installed, _CheckpointedForward):
-            original = installed.run.original
-            if original is None:
-                del module.__dict__["forward"]
-            else:
-                module.__dict__["forward"] = original
-            count += 1
-    return count
-
-
-def _installed(model: nn.Module) -> dict[nn.Module, _CheckpointedForward]:
-    """What :func:`apply` installed on ``model``, to put back with :func:`_reinstall`."""
-    found = {}
-    for module in model.modules():
-        installed = module.__dict__.get("forward")
-        if isinstance(installed, _CheckpointedForward):
-            found[module] = installed
-    return found
-
-
-def _reinstall(model: nn.Module, installed: dict[nn.Module, _CheckpointedForward]) -> None:
-    """Replace whatever is applied now by what :func:`_installed` recorded."""
-    remove(model)
-    for module, forward in installed.items():
-        module.__dict__["forward"] = forward
+    return uninstall(model)
 
 
 def apply_preset(

@@ -14,7 +14,13 @@ JSON schema for editors.
         level: 3
       - match_type: Mlp          # the module's class name
         level: 2
-    nesting: all                 # all | outermost
+      - match: "blocks"          # a Sequential: consecutive groups of about sqrt(n) layers
+        level: 4
+        segments: auto
+      - match: "stages.*"        # keep conv/matmul outputs, recompute norms and activations
+        level: 1
+        strategy: selective
+    nesting: auto                # auto | all | outermost
 
 Every invalid value raises :class:`vision_ckpt.ConfigError` naming the key (``rules[1].level``),
 what was given and what is allowed. This module does not import torch, so tools can validate
@@ -34,6 +40,7 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Field,
     ValidationError,
     WithJsonSchema,
     field_validator,
@@ -46,7 +53,8 @@ from .matching import compile_name_pattern, compile_type_pattern
 
 __all__ = ["CheckpointConfig", "LevelRule", "SelectiveConfig", "parse_memory_budget"]
 
-Nesting = Literal["all", "outermost"]
+Nesting = Literal["auto", "all", "outermost"]
+Strategy = Literal["full", "selective"]
 
 _MEMORY_UNITS = {
     "b": 1,
@@ -160,9 +168,29 @@ class LevelRule(_Schema):
     it contains a dot; ``*`` and ``?`` are wildcards. Subclasses do not match."""
 
     level: LevelValue
-    """The level 0-5 (or its name, such as ``stage``) given to every selected module. 0 means
-    never checkpoint it, which is how a later rule excludes a module an earlier rule selected.
-    (This is the one field without a default: a rule without a level says nothing.)"""
+    """The level 0-5 (or its name, such as ``stage``) at which the selected modules start to be
+    checkpointed with this rule's ``strategy``. 0 means never checkpoint them in any way, which
+    is how a later rule excludes a module an earlier rule selected. (This is the one field
+    without a default: a rule without a level says nothing.)"""
+
+    strategy: Strategy = "full"
+    """How the module is checkpointed from ``level`` on. ``full``: nothing inside it is kept,
+    backward runs its forward again. ``selective``: the outputs of its convolutions, matrix
+    products and attention are kept, and only the cheap operators (norms, activations, dropout,
+    pooling, additions) are recomputed: a smaller saving for much less time. A module can carry
+    one level per strategy (a selective one at 1 and a full one at 3, say); at a training level
+    the highest of its levels within it decides."""
+
+    segments: Literal["auto"] | Annotated[int, Field(ge=1)] | None = None
+    """For an ``nn.Sequential`` (a stack of layers) with strategy ``full``: checkpoint it as
+    consecutive groups of layers instead of as one region. ``auto`` makes groups of about
+    sqrt(n) of its n layers; an integer k makes groups of k. The module tree is unchanged."""
+
+    recompute_below: Annotated[int, Field(ge=1)] | None = None
+    """For strategy ``selective``: also recompute convolutions and matrix products that cost
+    fewer than this many FLOPs per output element (a 1x1 convolution from c channels costs 2c,
+    a 3x3 depthwise one 18): their outputs are large and quick to redo. ``null`` keeps the
+    output of every one of them."""
 
     @field_validator("match")
     @classmethod
@@ -186,6 +214,18 @@ class LevelRule(_Schema):
                 "qualified-name glob such as 'blocks.*') or 'match_type' (a class name such as "
                 "'Block'), or both"
             )
+        if self.segments is not None and self.strategy != "full":
+            raise ValueError(
+                f"rule {self} has segments {self.segments!r} with strategy {self.strategy!r}; "
+                "segments split a stack of layers into fully checkpointed groups: use strategy "
+                "'full' (the default) with segments, or drop segments"
+            )
+        if self.recompute_below is not None and self.strategy != "selective":
+            raise ValueError(
+                f"rule {self} has recompute_below {self.recompute_below} with strategy "
+                f"{self.strategy!r}; it only tells a selective strategy which outputs to "
+                "recompute: add strategy: selective, or drop recompute_below"
+            )
         return self
 
     def __str__(self) -> str:
@@ -195,6 +235,12 @@ class LevelRule(_Schema):
         if self.match_type is not None:
             parts.append(f"match_type={self.match_type!r}")
         parts.append(f"level={int(self.level)}")
+        if self.strategy != "full":
+            parts.append(f"strategy={self.strategy}")
+        if self.segments is not None:
+            parts.append(f"segments={self.segments}")
+        if self.recompute_below is not None:
+            parts.append(f"recompute_below={self.recompute_below}")
         return " ".join(parts)
 
 
@@ -234,12 +280,12 @@ class CheckpointConfig(_Schema):
     ...     training_checkpoint_level=3, rules=[{"match": "blocks.*", "level": 3}]
     ... )
     >>> cfg.rules[0].level, cfg.nesting
-    (<Level.MEDIUM_MODULE: 3>, 'all')
+    (<Level.MEDIUM_MODULE: 3>, 'auto')
     >>> CheckpointConfig(nesting="inner")
     Traceback (most recent call last):
     ...
     vision_ckpt.errors.ConfigError: invalid checkpoint config:
-      nesting: got 'inner'; allowed: 'all', 'outermost'
+      nesting: got 'inner'; allowed: 'auto', 'all', 'outermost'
     """
 
     training_checkpoint_level: (
@@ -262,11 +308,14 @@ class CheckpointConfig(_Schema):
     """Level rules, applied in order after the preset's: when several rules select a module, the
     last one wins. Each rule must select at least one module of the model (see ``strict``)."""
 
-    nesting: Nesting = "all"
-    """How nested checkpointed modules behave. ``all``: every selected module whose level is at
-    most the training level is checkpointed, inner ones too (lowest peak memory, inner blocks are
-    recomputed once more). ``outermost``: only the outermost such module in each chain is
-    checkpointed (at most one extra forward per block)."""
+    nesting: Nesting = "auto"
+    """What happens to checkpointed modules inside a checkpointed module while backward runs
+    the outer one again. ``auto``: they are checkpointed again only where that lowers the peak
+    for little time: inside a group of layers (level 4-5, or ``segments``), and when they are
+    selective; a transformer layer or residual block (level 1-3) is recomputed as one piece.
+    ``all``: always (the lowest peak, inner blocks run once more per enclosing level).
+    ``outermost``: never, except inside groups (level 4-5 or ``segments``), whose recomputation
+    would otherwise hold all their layers at once: at most one extra forward per block."""
 
     preserve_rng_state: bool = True
     """Stash and restore the RNG state around each checkpointed module, so that dropout and

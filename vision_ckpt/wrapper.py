@@ -31,22 +31,35 @@ same in forward and in recomputation.
 
 # NOTE [ Nesting ]
 
-With ``nesting="all"`` (the level contract), every eligible wrapper inside an eligible wrapper is
-checkpointed too: the outer region's recomputation then keeps only the inner regions' inputs,
-which lowers the peak of backward, and each inner block runs once more (three forwards for a
-block two regions deep). With ``nesting="outermost"``, a wrapper that finds itself inside a
-running checkpointed region calls its function directly: each block runs at most twice, and the
-outer region's recomputation holds all of its activations at once.
+Invariant: whether a region inside a running checkpointed region is checkpointed depends only on
+its own policy and on the innermost running region (its level and whether it is a *group*), both
+of which ``_RunAtLevel`` re-establishes when the outer region is recomputed; so forward and
+recomputation take the same decisions and save the same tensors. ``plan()`` (``apply._decide``)
+computes the same decisions without running the model.
+
+- ``all``: every eligible region inside an eligible region is checkpointed too. The outer
+  recomputation keeps only the inner regions' inputs (lower backward peak), and each inner block
+  runs once more per enclosing region (three forwards for a block two regions deep).
+- ``outermost``: an eligible region inside a running region calls its function directly (each
+  block runs at most twice), *except* inside a group: a region of level 4-5 or a segment of a
+  stack. Recomputing a group at once would hold all of its layers' activations, which is the
+  peak of no checkpointing at all for a whole-trunk region; keeping its layers checkpointed
+  bounds that recomputation by their inputs. So no level's peak exceeds the peak of a level
+  below it merely because a group swallowed the regions of that level.
+- ``auto`` (the config default): as ``outermost``, and a *selective* region is checkpointed
+  inside any running region, because redoing its cheap operators once more costs little while
+  keeping its pointwise outputs out of the outer recomputation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -54,7 +67,7 @@ from torch import nn
 
 from . import _core
 from .errors import ConfigError
-from .levels import Level, parse_level
+from .levels import NESTING_MODES, Level, Nesting, is_group, parse_level
 
 __all__ = [
     "ActivationCheckpointing",
@@ -62,9 +75,10 @@ __all__ = [
     "set_training_level",
     "get_training_level",
 ]
+# Used by the install layer (vision_ckpt._install), not re-exported by the package:
+# Rung, Policy, choose_rung, run_policy, run_segments, segment_size, SaveOps, HEAVY_OPS,
+# flops_per_output.
 
-Nesting = Literal["all", "outermost"]
-_NESTINGS = ("all", "outermost")
 
 # The process-wide training level (not thread-local: DataParallel replicas run forward on their
 # own threads and must follow the level the main thread set).
@@ -78,6 +92,8 @@ class _RegionState(threading.local):
     # __dict__, and an attribute that appears there later fails the guard of its own frame.
     def __init__(self) -> None:
         self.level: Level | None = None
+        # Whether the innermost running region is a group (see NOTE [ Nesting ]).
+        self.group = False
 
 
 _region = _RegionState()
@@ -143,36 +159,41 @@ def training_level(level: int | str | Level) -> Iterator[Level]:
         _training_level = previous
 
 
-def _check_nesting(nesting: object) -> bool:
-    """Validate ``nesting`` and return whether it is "outermost"."""
-    if nesting not in _NESTINGS:
+def _check_nesting(nesting: object) -> Nesting:
+    """Validate ``nesting`` and return it."""
+    if nesting not in NESTING_MODES:
         raise ConfigError(
-            f"nesting {nesting!r} is not a nesting mode; allowed: 'all' (every eligible block, "
-            "inner ones too), 'outermost' (only the outermost eligible block in a chain)."
+            f"nesting {nesting!r} is not a nesting mode; allowed: 'auto' (inner blocks are "
+            "checkpointed again only inside groups of layers and when selective), 'all' (every "
+            "eligible block, inner ones too), 'outermost' (only the outermost eligible block in "
+            "a chain, except inside groups)."
         )
-    return nesting == "outermost"
+    return nesting  # type: ignore[return-value]
 
 
 class _RunAtLevel:
-    """The function given to the core: runs ``fn`` under the ambient level captured at call time.
+    """The function given to the core: runs ``fn`` under the ambient level captured at call time,
+    and tells regions inside it whether they run inside a group (NOTE [ Nesting ]).
 
     It also tells the core which module the region is (for its name in errors and for the
     BatchNorm guard), since the core no longer sees ``fn`` itself.
     """
 
-    __slots__ = ("fn", "level")
+    __slots__ = ("fn", "level", "group")
 
-    def __init__(self, fn: Callable[..., Any], level: Level) -> None:
+    def __init__(self, fn: Callable[..., Any], level: Level, group: bool) -> None:
         self.fn = fn
         self.level = level
+        self.group = group
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        previous = _region.level
-        _region.level = self.level
+        region = _region
+        previous = region.level, region.group
+        region.level, region.group = self.level, self.group
         try:
             return self.fn(*args, **kwargs)
         finally:
-            _region.level = previous
+            region.level, region.group = previous
 
     @property
     def __vision_ckpt_module__(self) -> nn.Module | None:
@@ -226,8 +247,10 @@ class ActivationCheckpointing(nn.Module):
         fn_checkpoint_level: the level 0-5 of what this wrapper runs (0: never checkpointed).
         training_checkpoint_level: a fixed training level for this wrapper; ``None`` (default)
             follows the global one (:func:`set_training_level`, :func:`training_level`).
-        nesting: ``"all"`` (default) also checkpoints when called inside another checkpointed
-            region; ``"outermost"`` then calls ``fn`` directly. See NOTE [ Nesting ].
+        nesting: what to do when called inside another checkpointed region: ``"all"``
+            (default) checkpoint again, so the outer region's recomputation holds only this
+            one's inputs; ``"auto"`` only inside a group (level 4-5); ``"outermost"`` never
+            outside groups. See NOTE [ Nesting ].
         preserve_rng_state: stash and restore the RNG state so dropout and drop-path give exact
             gradients.
         context_fn: passed to the core, e.g. a selective-checkpoint policy made with
@@ -235,7 +258,7 @@ class ActivationCheckpointing(nn.Module):
 
     Raises:
         LevelError: a level is not 0-5; the message lists the allowed values.
-        ConfigError: ``nesting`` is not ``"all"`` or ``"outermost"``.
+        ConfigError: ``nesting`` is not ``"auto"``, ``"all"`` or ``"outermost"``.
 
     >>> import torch
     >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
@@ -258,24 +281,35 @@ class ActivationCheckpointing(nn.Module):
         context_fn: Callable[[], tuple[Any, Any]] | None = None,
     ) -> None:
         super().__init__()
-        self.fn_checkpoint_level = parse_level(fn_checkpoint_level, what="fn_checkpoint_level")
-        self.training_checkpoint_level = (
+        level = parse_level(fn_checkpoint_level, what="fn_checkpoint_level")
+        pinned = (
             None
             if training_checkpoint_level is None
             else parse_level(training_checkpoint_level, what="training_checkpoint_level")
         )
-        self.nesting = nesting
-        self._outermost = _check_nesting(nesting)
-        self.preserve_rng_state = bool(preserve_rng_state)
+        rungs = (Rung(level, "full", context_fn=context_fn),) if level > 0 else ()
+        self.policy = Policy(rungs, pinned, _check_nesting(nesting), bool(preserve_rng_state))
+        self.fn_checkpoint_level = level
         self.context_fn = context_fn
+
+    @property
+    def training_checkpoint_level(self) -> Level | None:
+        return self.policy.training_level
+
+    @property
+    def nesting(self) -> Nesting:
+        return self.policy.nesting
+
+    @property
+    def preserve_rng_state(self) -> bool:
+        return self.policy.preserve_rng_state
 
     def forward(
         self, fn: Callable[..., Any], *args: Any, use_reentrant: bool | None = False, **kwargs: Any
     ) -> Any:
-        level = self.fn_checkpoint_level
-        if level == 0 or not self.training or not torch.is_grad_enabled():
+        if not self.policy.rungs or not self.training or not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        return _maybe_checkpoint(self, fn, args, kwargs, bool(use_reentrant))
+        return run_policy(self.policy, fn, args, kwargs, bool(use_reentrant))
 
     def extra_repr(self) -> str:
         level = self.fn_checkpoint_level
@@ -291,141 +325,211 @@ class ActivationCheckpointing(nn.Module):
         return text
 
 
-def _maybe_checkpoint(
-    policy: Any,
+@dataclass(frozen=True)
+class Rung:
+    """One way a region is checkpointed, from a level on (a module may have several)."""
+
+    level: Level
+    """The lowest training level at which this rung applies (1-5)."""
+    strategy: Literal["full", "selective"]
+    """``full``: keep nothing inside; ``selective``: ``context_fn`` keeps the heavy ops' outputs."""
+    segments: int | Literal["auto"] | None = None
+    """For a stack of layers: checkpoint consecutive groups of this many layers (``auto``:
+    about sqrt(n)) instead of the whole stack."""
+    context_fn: Callable[[], tuple[Any, Any]] | None = None
+    """Passed to the core (selective checkpointing), or ``None``."""
+
+    @property
+    def group(self) -> bool:
+        """Whether the region is a group of layers (see NOTE [ Nesting ])."""
+        return is_group(self.level) or self.segments is not None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Everything that decides, at call time, whether and how one region is checkpointed.
+
+    Shared by :class:`ActivationCheckpointing` and the forwards :func:`vision_ckpt.apply`
+    installs, so both decide with :func:`choose_rung`.
+    """
+
+    rungs: tuple[Rung, ...]
+    """The region's rungs by increasing level, one per level; empty: never checkpointed."""
+    training_level: Level | None
+    """A fixed training level, or ``None`` to follow the global one."""
+    nesting: Nesting
+    """``auto``, ``all`` or ``outermost`` (NOTE [ Nesting ])."""
+    preserve_rng_state: bool
+    """Stash and restore the RNG state around the region."""
+
+
+def choose_rung(policy: Policy) -> Rung | None:
+    """The rung to checkpoint with now, or ``None`` to call the function directly.
+
+    Training mode and grad mode are the caller's to check; this applies the level contract
+    (the highest rung within the training level) and the nesting mode. See NOTE [ The training
+    level seen by recomputation ] and NOTE [ Nesting ].
+    """
+    region = _region
+    ambient = region.level
+    if ambient is None:
+        ambient = _training_level
+    pinned = policy.training_level
+    limit = ambient if pinned is None else pinned
+    chosen = None
+    for rung in policy.rungs:
+        if rung.level > limit:
+            break
+        chosen = rung
+    if chosen is None or _core._region_depth() == 0:
+        return chosen
+    nesting = policy.nesting
+    if nesting == "all" or region.group:
+        return chosen
+    if nesting == "auto" and chosen.strategy == "selective":
+        return chosen
+    return None
+
+
+def run_policy(
+    policy: Policy,
     fn: Callable[..., Any],
     args: Sequence[Any],
     kwargs: dict[str, Any],
     use_reentrant: bool = False,
 ) -> Any:
-    """The rest of the decision once level, mode and grad allow it; ``policy`` holds the options.
-
-    ``policy`` is an :class:`ActivationCheckpointing` or a ``_CheckpointedForward`` (installed by
-    :func:`vision_ckpt.apply`): both carry ``fn_checkpoint_level``,
-    ``training_checkpoint_level``, ``_outermost``, ``preserve_rng_state`` and ``context_fn``.
-    """
+    """Call ``fn(*args, **kwargs)``, checkpointed as ``policy`` decides (training and grad mode
+    already checked by the caller). ``fn`` runs as one region; see :func:`run_segments` for a
+    stack of layers."""
+    rung = choose_rung(policy)
+    if rung is None:
+        return fn(*args, **kwargs)
     ambient = _region.level
     if ambient is None:
         ambient = _training_level
-    pinned = policy.training_checkpoint_level
-    if policy.fn_checkpoint_level > (ambient if pinned is None else pinned):
-        return fn(*args, **kwargs)
-    if policy._outermost and _core._region_depth() > 0:
-        return fn(*args, **kwargs)
+    region = _RunAtLevel(fn, ambient, rung.group)
     if use_reentrant:
-        if policy.context_fn is not None:
+        if rung.context_fn is not None:
             raise ConfigError(
                 "use_reentrant=True cannot honour context_fn (selective checkpointing): torch's "
                 "reentrant checkpoint has no such option. Drop use_reentrant=True, or the "
                 "context_fn / selective setting."
             )
-        return _reentrant_checkpoint(
-            _RunAtLevel(fn, ambient), args, kwargs, policy.preserve_rng_state
-        )
+        return _reentrant_checkpoint(region, args, kwargs, policy.preserve_rng_state)
     return _core.checkpoint(
-        _RunAtLevel(fn, ambient),
+        region,
         *args,
         preserve_rng_state=policy.preserve_rng_state,
-        context_fn=policy.context_fn,
+        context_fn=_bind_region(rung.context_fn, fn),
         **kwargs,
     )
 
 
-class _ModuleForward:
-    """Calls the forward a module had before :func:`vision_ckpt.apply` (its class's, usually).
+def segment_size(rung: Rung, n: int) -> int:
+    """How many of ``n`` layers one segment of ``rung`` holds.
 
-    It lives in the module's own ``__dict__``, so it refers to the module weakly: a strong
-    reference would make every applied module part of a reference cycle, freed (with its GPU
-    memory) only when Python's cycle collector happens to run. Copies and pickles carry the
-    module strongly in their state, which deepcopy and pickle map to the copied module.
+    >>> segment_size(Rung(Level.LARGE_MODULE, "full", segments="auto"), 12)
+    4
     """
-
-    def __init__(self, module: nn.Module, name: str, original: Callable[..., Any] | None) -> None:
-        self._module = weakref.ref(module)
-        self.original = original  # an instance-level forward that was already there, if any
-        self.__vision_ckpt_region__ = name or type(module).__name__
-
-    @property
-    def module(self) -> nn.Module:
-        module = self._module()
-        if module is None:  # only reachable through a stray reference to this object
-            raise ConfigError(
-                f"the module {self.__vision_ckpt_region__!r} this checkpointed forward belonged "
-                "to no longer exists; call the module, not its saved forward."
-            )
-        return module
-
-    @property
-    def __vision_ckpt_module__(self) -> nn.Module:
-        return self.module
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_module"] = self.module
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        state["_module"] = weakref.ref(state["_module"])
-        self.__dict__.update(state)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.original is not None:
-            return self.original(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
+    if rung.segments == "auto":
+        return max(1, round(math.sqrt(n)))
+    return max(1, int(rung.segments or n))
 
 
-class _CheckpointedForward:
-    """The instance-level ``forward`` that :func:`vision_ckpt.apply` gives a selected module.
+class _Segment:
+    """Layers ``start:stop`` of a stack, called in order: one region of a segmented stack."""
 
-    A plain picklable object (not a module: it adds nothing to ``named_modules()`` or the state
-    dict) holding the module's level and the run options; it decides like
-    :class:`ActivationCheckpointing` and runs the module's own forward, checkpointed or not.
-    """
+    __slots__ = ("layers", "__vision_ckpt_module__", "__vision_ckpt_region__")
 
-    def __init__(
-        self,
-        module: nn.Module,
-        name: str,
-        level: Level,
-        training_level: Level | None,
-        nesting: Nesting,
-        preserve_rng_state: bool,
-        context_fn: Callable[[], tuple[Any, Any]] | None,
-    ) -> None:
-        self.run = _ModuleForward(module, name, module.__dict__.get("forward"))
-        self.fn_checkpoint_level = level
-        self.training_checkpoint_level = training_level
-        self.nesting = nesting
-        self._outermost = _check_nesting(nesting)
-        self.preserve_rng_state = preserve_rng_state
-        self.context_fn = context_fn
+    def __init__(self, stack: nn.Module, layers: list[nn.Module], label: str) -> None:
+        self.layers = layers
+        self.__vision_ckpt_module__ = stack
+        self.__vision_ckpt_region__ = label
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        run = self.run
-        if self.fn_checkpoint_level == 0 or not run.module.training or not torch.is_grad_enabled():
-            return run(*args, **kwargs)
-        return _maybe_checkpoint(self, run, args, kwargs)
+    def __call__(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
-    def __repr__(self) -> str:
-        pinned = self.training_checkpoint_level
-        return (
-            f"<checkpointed forward of {self.run.__vision_ckpt_region__!r}: "
-            f"level={int(self.fn_checkpoint_level)}, training_level="
-            f"{'global' if pinned is None else int(pinned)}, nesting={self.nesting!r}>"
+
+def run_segments(
+    policy: Policy, stack: nn.Module, whole: Callable[..., Any], label: str, x: Any
+) -> Any:
+    """Run an ``nn.Sequential`` ``stack`` on ``x`` as ``policy`` decides: a segmented rung runs
+    its layers as consecutive groups, each checkpointed as one group region; any other rung
+    runs ``whole`` (the stack's forward) as :func:`run_policy` does."""
+    rung = choose_rung(policy)
+    if rung is None or rung.segments is None:
+        return run_policy(policy, whole, (x,), {})
+    layers = list(stack)
+    size = segment_size(rung, len(layers))
+    ambient = _region.level
+    if ambient is None:
+        ambient = _training_level
+    for start in range(0, len(layers), size):
+        part = _Segment(stack, layers[start : start + size], f"{label}[{start}:{start + size}]")
+        x = _core.checkpoint(
+            _RunAtLevel(part, ambient, True),
+            x,
+            preserve_rng_state=policy.preserve_rng_state,
+            context_fn=_bind_region(rung.context_fn, part),
         )
+    return x
 
 
-class _SaveOps:
-    """A picklable ``context_fn`` that saves the outputs of the named ops (selective checkpoint).
+HEAVY_OPS: tuple[str, ...] = (
+    "aten.convolution",
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+)
+"""The operators whose outputs a ``selective`` strategy keeps by default: convolutions, matrix
+products and fused attention, as autograd dispatches them (what a region's dispatch mode sees)."""
 
-    Op names (``"aten.mm"``) are resolved to ``torch.ops`` overload packets (or, with a third
-    component, single overloads) when first needed; the policy saves the output of every op of
-    those and recomputes all others.
+
+def flops_per_output(op: Any, args: Sequence[Any]) -> int | None:
+    """FLOPs one output element of a convolution or matrix product costs (2 x its reduction
+    length), from the argument shapes; ``None`` for other operators.
+
+    >>> flops_per_output(torch.ops.aten.mm.default, (torch.empty(4, 96), torch.empty(96, 8)))
+    192
+    """
+    packet = getattr(op, "overloadpacket", op)
+    aten = torch.ops.aten
+    if packet is aten.convolution:
+        weight = args[1]
+        transposed = bool(args[6]) if len(args) > 6 else False
+        groups = int(args[8]) if len(args) > 8 else 1
+        per = weight.shape[0] // groups if transposed else weight.shape[1]
+        return 2 * int(per) * math.prod(weight.shape[2:])
+    if packet in (aten.mm, aten.bmm):
+        return 2 * int(args[0].shape[-1])
+    if packet in (aten.addmm, aten.baddbmm):
+        return 2 * int(args[1].shape[-1])
+    return None
+
+
+_unmet_reported: set[tuple[str, tuple[str, ...]]] = set()
+
+
+class SaveOps:
+    """A picklable ``context_fn`` for selective checkpointing: keep the outputs of the named ops.
+
+    Names (``"aten.mm"``) resolve to ``torch.ops`` overload packets (or, with a third component,
+    single overloads) when first needed. With ``recompute_below``, a convolution or matrix
+    product that costs fewer FLOPs per output element is recomputed instead (a 1x1 expansion,
+    a depthwise convolution). A region that meets none of the named ops keeps nothing; that is
+    reported with a warning naming the ops the region did run, once per region and name list.
     """
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], recompute_below: int | None = None) -> None:
         self.names = tuple(names)
+        self.recompute_below = recompute_below
         self._ops: frozenset[Any] | None = None
 
     def resolve(self) -> frozenset[Any]:
@@ -448,27 +552,93 @@ class _SaveOps:
             self._ops = frozenset(ops)
         return self._ops
 
-    def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        ops = self._ops if self._ops is not None else self.resolve()
-        policy = torch.utils.checkpoint.CheckpointPolicy
-        if op in ops or getattr(op, "overloadpacket", None) in ops:
-            return policy.MUST_SAVE
-        return policy.PREFER_RECOMPUTE
+    def __call__(self, region: str = "?") -> tuple[Any, Any]:
+        ops = self.resolve()
+        below = self.recompute_below
+        met: set[Any] = set()
+        saved = [False]
+        must_save = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+        recompute = torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
-    def __call__(self) -> tuple[Any, Any]:
-        return torch.utils.checkpoint.create_selective_checkpoint_contexts(self._policy)
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            packet = getattr(op, "overloadpacket", op)
+            if not ctx.is_recompute:
+                met.add(packet)
+            if op in ops or packet in ops:
+                if not ctx.is_recompute:
+                    saved[0] = True
+                if below is not None:
+                    cost = flops_per_output(op, args)
+                    if cost is not None and cost < below:
+                        return recompute
+                return must_save
+            return recompute
+
+        forward_ctx, recompute_ctx = torch.utils.checkpoint.create_selective_checkpoint_contexts(
+            policy
+        )
+        return _ReportUnmet(forward_ctx, self, region, met, saved), recompute_ctx
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"names": self.names, "_ops": None}
+        return {"names": self.names, "recompute_below": self.recompute_below, "_ops": None}
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _SaveOps) and other.names == self.names
+        return (
+            isinstance(other, SaveOps)
+            and other.names == self.names
+            and other.recompute_below == self.recompute_below
+        )
 
     def __hash__(self) -> int:
-        return hash(self.names)
+        return hash((self.names, self.recompute_below))
 
     def __repr__(self) -> str:
-        return f"save_ops{list(self.names)}"
+        below = "" if self.recompute_below is None else f", recompute_below={self.recompute_below}"
+        return f"save_ops{list(self.names)}{below}"
+
+
+class _ReportUnmet:
+    """The forward context of a selective region; on a normal exit, warns when the region ran
+    none of the ops to keep (it then kept nothing: a full checkpoint in disguise)."""
+
+    def __init__(
+        self, inner: Any, owner: SaveOps, region: str, met: set[Any], saved: list[bool]
+    ) -> None:
+        self.inner, self.owner, self.region, self.met, self.saved = inner, owner, region, met, saved
+
+    def __enter__(self) -> Any:
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = self.inner.__exit__(*exc)
+        if exc[0] is None and not self.saved[0] and not _core.is_recomputing():
+            region = self.region
+            key = (region, self.owner.names)
+            if key not in _unmet_reported:
+                _unmet_reported.add(key)
+                ran = sorted({_op_name(p) for p in self.met})
+                warnings.warn(
+                    f"selective checkpointing of region {region!r} met none of the operators "
+                    f"it keeps ({', '.join(self.owner.names)}), so it kept nothing and is "
+                    f"recomputed in full. Operators it ran: {', '.join(ran) or 'none'}. A "
+                    "region sees operators as autograd dispatches them (aten.convolution, "
+                    "not aten.mkldnn_convolution): name those in selective.save_ops.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        return result
+
+
+def _op_name(packet: Any) -> str:
+    qualified = getattr(packet, "_qualified_op_name", None)
+    return qualified.replace("::", ".") if isinstance(qualified, str) else str(packet)
+
+
+def _bind_region(context_fn: Any, fn: Any) -> Any:
+    """A :class:`SaveOps` told which region it serves (for its warning); others unchanged."""
+    if isinstance(context_fn, SaveOps):
+        return functools.partial(context_fn, _core._region_label(fn))
+    return context_fn
 
 
 def _lookup_op(name: str) -> Any | None:

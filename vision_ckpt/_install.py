@@ -1,0 +1,140 @@
+"""What :func:`vision_ckpt.apply` puts on a model and takes off again.
+
+A selected module gets an instance-level ``forward``: a small picklable object, not a module, so
+``named_modules()``, the state dict and parameters stay those of the plain model. It holds the
+module's :class:`~vision_ckpt.wrapper.Policy` and decides at every call, as the wrapper does,
+whether to run the module's own forward through the checkpoint core.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+from .wrapper import Policy, run_policy, run_segments
+
+__all__ = ["CheckpointedForward", "install", "uninstall", "installed", "reinstall"]
+
+
+class _ModuleForward:
+    """Calls the forward a module had before :func:`vision_ckpt.apply` (its class's, usually).
+
+    It lives in the module's own ``__dict__``, so it refers to the module weakly: a strong
+    reference would make every applied module part of a reference cycle, freed (with its GPU
+    memory) only when Python's cycle collector happens to run. Copies and pickles carry the
+    module strongly in their state, which deepcopy and pickle map to the copied module.
+    """
+
+    def __init__(self, module: nn.Module, name: str, original: Callable[..., Any] | None) -> None:
+        self._module = weakref.ref(module)
+        self.original = original  # an instance-level forward that was already there, if any
+        self.__vision_ckpt_region__ = name or type(module).__name__
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        if module is None:  # only reachable through a stray reference to this object
+            raise ConfigError(
+                f"the module {self.__vision_ckpt_region__!r} this checkpointed forward belonged "
+                "to no longer exists; call the module, not its saved forward."
+            )
+        return module
+
+    @property
+    def __vision_ckpt_module__(self) -> nn.Module:
+        return self.module
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_module"] = self.module
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state["_module"] = weakref.ref(state["_module"])
+        self.__dict__.update(state)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.original is not None:
+            return self.original(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class CheckpointedForward:
+    """The instance-level ``forward`` that :func:`install` gives a selected module."""
+
+    def __init__(self, module: nn.Module, name: str, policy: Policy) -> None:
+        self.run = _ModuleForward(module, name, module.__dict__.get("forward"))
+        self.policy = policy
+        self.segmented = any(r.segments is not None for r in policy.rungs)
+
+    @property
+    def fn_checkpoint_level(self) -> int:
+        """The lowest level at which the module is checkpointed in any way (0: never)."""
+        return int(self.policy.rungs[0].level) if self.policy.rungs else 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run = self.run
+        if not self.policy.rungs or not run.module.training or not torch.is_grad_enabled():
+            return run(*args, **kwargs)
+        if self.segmented and len(args) == 1 and not kwargs:
+            return run_segments(self.policy, run.module, run, run.__vision_ckpt_region__, args[0])
+        return run_policy(self.policy, run, args, kwargs)
+
+    def __repr__(self) -> str:
+        policy = self.policy
+        pinned = policy.training_level
+        rungs = ", ".join(
+            f"{r.strategy}{'' if r.segments is None else f'/segments={r.segments}'}"
+            f"@{int(r.level)}"
+            for r in policy.rungs
+        )
+        return (
+            f"<checkpointed forward of {self.run.__vision_ckpt_region__!r}: {rungs or 'never'}, "
+            f"training_level={'global' if pinned is None else int(pinned)}, "
+            f"nesting={policy.nesting!r}>"
+        )
+
+
+def install(items: Iterable[tuple[nn.Module, str, Policy]]) -> None:
+    """Give each ``(module, qualified name, policy)`` its checkpointed forward."""
+    for module, name, policy in items:
+        module.__dict__["forward"] = CheckpointedForward(module, name, policy)
+
+
+def uninstall(model: nn.Module) -> int:
+    """Give every module of ``model`` back the forward it had before :func:`install`; returns
+    how many were changed."""
+    count = 0
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, CheckpointedForward):
+            original = forward.run.original
+            if original is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = original
+            count += 1
+    return count
+
+
+def installed(model: nn.Module) -> dict[nn.Module, CheckpointedForward]:
+    """What is installed on ``model`` now, to put back later with :func:`reinstall`."""
+    found = {}
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, CheckpointedForward):
+            found[module] = forward
+    return found
+
+
+def reinstall(model: nn.Module, recorded: dict[nn.Module, CheckpointedForward]) -> None:
+    """Replace whatever is installed on ``model`` now by what :func:`installed` recorded."""
+    uninstall(model)
+    for module, forward in recorded.items():
+        module.__dict__["forward"] = forward
