@@ -25,8 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from ._install import install, uninstall
-from ._install import installed as _installed, reinstall as _reinstall  # noqa: F401 (profile.py, until it imports _install)
+from ._install import install, installed as _installed, reinstall as _reinstall, uninstall  # noqa: F401 (profile.py, until it imports _install)
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
 from .levels import Level, is_group, parse_level
@@ -50,6 +49,9 @@ class PlannedRung:
     """``auto`` or k for a stack checkpointed as groups of layers; ``None`` otherwise."""
     recompute_below: int | None = None
     """For ``selective``: convolutions/matmuls cheaper than this (FLOPs per output) are redone."""
+    until: Level | None = None
+    """For ``selective``: the training level from which a full region inside the module is
+    checkpointed, where this rung stops applying (NOTE [ Selective regions step aside ])."""
 
     @property
     def group(self) -> bool:
@@ -62,6 +64,8 @@ class PlannedRung:
             text += f"/{self.segments}"
         if self.recompute_below is not None:
             text += f"<{self.recompute_below}"
+        if self.until is not None:
+            return f"{text} {int(self.level)}-{int(self.until) - 1}"
         return f"{text} {int(self.level)}"
 
 
@@ -90,7 +94,8 @@ class PlanEntry:
         for rung in self.rungs:
             if rung.level > level:
                 break
-            chosen = rung
+            if rung.until is None or level < rung.until:
+                chosen = rung
         return chosen
 
 
@@ -296,9 +301,9 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
         ordered += [(rule, origin, False) for rule, origin in _preset_rules(model, cfg.preset)]
     ordered += [(rule, f"rules[{i}]", True) for i, rule in enumerate(cfg.rules)]
 
-    # Per module, per strategy ("full" or "selective"): the last rule that set it. A rule of
-    # level 0 clears every strategy of the modules it selects.
-    decided: dict[str, dict[str, tuple[LevelRule, str]]] = {}
+    # Per module, per way of checkpointing it (strategy and options): the last rule that set
+    # it. A later rule at the same level replaces any other; a rule of level 0 clears them all.
+    decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]] = {}
     for rule, origin, required in ordered:
         matcher = ModuleMatcher(rule.match, rule.match_type)
         hits = [n for n, m in modules if matcher.matches(n, *class_names[n])]
@@ -309,17 +314,19 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
             _check_segments(model, rule, origin, callable_hits)
         for name in callable_hits:
             if rule.level == 0:
-                decided[name] = {"none": (rule, origin)}
+                decided[name] = {("none",): (rule, origin)}
             else:
-                by_strategy = decided.setdefault(name, {})
-                by_strategy.pop("none", None)
-                for other in [k for k, (r, _) in by_strategy.items() if r.level == rule.level]:
-                    del by_strategy[other]  # a later rule at the same level replaces it
-                by_strategy[rule.strategy] = (rule, origin)
+                ways = decided.setdefault(name, {})
+                ways.pop(("none",), None)
+                for other in [k for k, (r, _) in ways.items() if r.level == rule.level]:
+                    del ways[other]
+                ways[(rule.strategy, rule.segments, rule.recompute_below)] = (rule, origin)
 
     pinned = cfg.training_checkpoint_level
     level = pinned if pinned is not None else get_training_level()
-    entries = tuple(_entry(n, class_names[n][0], decided[n]) for n, _ in modules if n in decided)
+    entries = _step_aside(
+        tuple(_entry(n, class_names[n][0], decided[n]) for n, _ in modules if n in decided)
+    )
     return CheckpointPlan(
         model_class=_model_label(model),
         entries=_decide(entries, level, cfg.nesting),
@@ -331,17 +338,16 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
     )
 
 
-def _entry(name: str, class_name: str, rules: dict[str, tuple[LevelRule, str]]) -> PlanEntry:
-    """The plan entry of one module from the rules that decided its strategies."""
-    by_level: dict[int, PlannedRung] = {}
-    for strategy in ("selective", "full"):
-        if strategy in rules:
-            rule = rules[strategy][0]
-            by_level[int(rule.level)] = PlannedRung(
-                rule.level, strategy, rule.segments, rule.recompute_below
-            )
-    rungs = tuple(by_level[k] for k in sorted(by_level))
+def _entry(
+    name: str, class_name: str, rules: dict[tuple[Any, ...], tuple[LevelRule, str]]
+) -> PlanEntry:
+    """The plan entry of one module from the rules that decided its rungs."""
     used = sorted(rules.values(), key=lambda r: int(r[0].level))
+    rungs = tuple(
+        PlannedRung(rule.level, rule.strategy, rule.segments, rule.recompute_below)
+        for rule, _ in used
+        if rule.level > 0
+    )
     return PlanEntry(
         name=name,
         class_name=class_name,
@@ -351,6 +357,30 @@ def _entry(name: str, class_name: str, rules: dict[str, tuple[LevelRule, str]]) 
         origin="; ".join(dict.fromkeys(o for _, o in used)),
         rungs=rungs,
     )
+
+
+def _step_aside(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
+    """Give every selective rung its ``until``: the lowest full rung inside its module (see
+    NOTE [ Selective regions step aside ] in wrapper.py)."""
+    out = []
+    for e in entries:
+        if any(r.strategy == "selective" for r in e.rungs):
+            inner = [
+                r.level
+                for o in entries
+                if _is_ancestor(e.name, o.name)
+                for r in o.rungs
+                if r.strategy == "full"
+            ]
+            until = min(inner, default=None)
+            if until is not None:
+                rungs = tuple(
+                    replace(r, until=Level(until)) if r.strategy == "selective" else r
+                    for r in e.rungs
+                )
+                e = replace(e, rungs=rungs)
+        out.append(e)
+    return tuple(out)
 
 
 def _check_segments(model: nn.Module, rule: LevelRule, origin: str, names: list[str]) -> None:
@@ -473,7 +503,9 @@ def _policy(the_plan: CheckpointPlan, entry: PlanEntry) -> Policy:
             context_fn = SaveOps(keep if keep else HEAVY_OPS, r.recompute_below)
         else:
             context_fn = SaveOps(keep) if keep is not None else None
-        rungs.append(Rung(r.level, r.strategy, r.segments, context_fn))  # type: ignore[arg-type]
+        rungs.append(
+            Rung(r.level, r.strategy, r.segments, context_fn, r.until)  # type: ignore[arg-type]
+        )
     return Policy(
         tuple(rungs),
         the_plan.pinned_training_level,

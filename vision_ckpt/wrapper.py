@@ -325,6 +325,17 @@ class ActivationCheckpointing(nn.Module):
         return text
 
 
+# NOTE [ Selective regions step aside ]
+#
+# A selective region keeps the outputs of the heavy operators that run inside it, through a
+# dispatch mode active during its whole forward, nested regions included. A fully checkpointed
+# region inside it would therefore still have its convolution and matmul outputs kept by the
+# outer region, and free almost nothing. So a selective rung stops applying (``Rung.until``) at
+# the lowest training level at which a full region inside its module is checkpointed; from that
+# level on the module runs plainly, or by a higher rung of its own. ``apply`` computes ``until``
+# from the plan, and ``plan()`` shows the same decision.
+
+
 @dataclass(frozen=True)
 class Rung:
     """One way a region is checkpointed, from a level on (a module may have several)."""
@@ -338,6 +349,9 @@ class Rung:
     about sqrt(n)) instead of the whole stack."""
     context_fn: Callable[[], tuple[Any, Any]] | None = None
     """Passed to the core (selective checkpointing), or ``None``."""
+    until: Level | None = None
+    """A selective rung stops applying at this training level (see NOTE [ Selective regions
+    step aside ]); ``None``: it applies at every level from ``level`` on."""
 
     @property
     def group(self) -> bool:
@@ -380,7 +394,8 @@ def choose_rung(policy: Policy) -> Rung | None:
     for rung in policy.rungs:
         if rung.level > limit:
             break
-        chosen = rung
+        if rung.until is None or limit < rung.until:
+            chosen = rung
     if chosen is None or _core._region_depth() == 0:
         return chosen
     nesting = policy.nesting
@@ -555,6 +570,7 @@ class SaveOps:
     def __call__(self, region: str = "?") -> tuple[Any, Any]:
         ops = self.resolve()
         below = self.recompute_below
+        aten_convolution = torch.ops.aten.convolution
         met: set[Any] = set()
         saved = [False]
         must_save = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
@@ -567,6 +583,11 @@ class SaveOps:
             if op in ops or packet in ops:
                 if not ctx.is_recompute:
                     saved[0] = True
+                if packet is aten_convolution and math.prod(args[0].shape[2:]) == 1:
+                    # A convolution on 1x1 maps (a squeeze-excite gate) is nearly free to redo
+                    # and often followed by an in-place activation, which would change a kept
+                    # output (torch refuses that in backward): redo it instead of keeping it.
+                    return recompute
                 if below is not None:
                     cost = flops_per_output(op, args)
                     if cost is not None and cost < below:
