@@ -26,15 +26,15 @@ from rich.console import Console
 from rich.table import Table
 
 import vision_ckpt
+from vision_ckpt._measure import Workload, batch_of, default_loss, measure_memory
 from vision_ckpt._memory import format_bytes
-from vision_ckpt.profile import _batch_of, _measure_memory, default_loss
 
 
 def measured_peak(model: torch.nn.Module, x: torch.Tensor, config, level: int) -> int:
     vision_ckpt.apply(model, config.model_copy(update={"training_checkpoint_level": None}))
     try:
         with vision_ckpt.training_level(level):
-            return _measure_memory(model, x, default_loss, None, x.device)[0]
+            return measure_memory(Workload(model, x), x)[0]
     finally:
         vision_ckpt.remove(model)
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = {"img_size": args.img_size} if "vit" in name or "swin" in name else {}
         model = timm.create_model(name, pretrained=False, **kwargs)
         example = torch.randn(2, 3, args.img_size, args.img_size)
-        target = _batch_of(example, args.batch_size)
+        target = batch_of(example, args.batch_size)
 
         suggestion = vision_ckpt.suggest_level(
             model, example, "1TiB", batch_size=args.batch_size, levels=levels
@@ -122,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 vision_ckpt.apply(model, cfg)
                 try:
                     if variant == "plan" and plan_peak is None:
-                        plan_peak = _measure_memory(
-                            model, target, default_loss, None, target.device
-                        )[0]
+                        plan_peak = measure_memory(Workload(model, target), target)[0]
                     elapsed = step_time(model, target)
                 finally:
                     vision_ckpt.remove(model)

@@ -46,8 +46,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -137,6 +137,9 @@ class SavedBytes:
     """Number of tensors that reached the pack hook (views of one storage count separately)."""
     num_storages: int = 0
     """Number of distinct storages among them."""
+    by_region: dict[Hashable, int] = field(default_factory=dict)
+    """With ``count_saved_bytes(region=...)``: ``nbytes`` split by the region that packed each
+    storage first."""
 
     def __str__(self) -> str:
         return (
@@ -146,7 +149,9 @@ class SavedBytes:
 
 
 @contextlib.contextmanager
-def count_saved_bytes(*exclude: Any) -> Iterator[SavedBytes]:
+def count_saved_bytes(
+    *exclude: Any, region: Callable[[], Hashable | None] | None = None
+) -> Iterator[SavedBytes]:
     """Count the bytes autograd keeps for backward while the block runs.
 
     Installs an outer ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook records the
@@ -154,18 +159,28 @@ def count_saved_bytes(*exclude: Any) -> Iterator[SavedBytes]:
     back unchanged (so gradients are not affected).
 
     Checkpointing composes with it: a checkpointed region installs its own, inner hooks, and
-    saved-tensor hooks do not stack (only the innermost pair is called), so the outer hook sees
-    only what the checkpoint itself chooses to save through autograd. Inputs a checkpoint keeps
-    alive by plain Python reference (in its recomputation closure) never reach a pack hook;
-    use :func:`track_peak_memory` for the memory really held between forward and backward.
+    saved-tensor hooks do not stack (only the innermost pair is called), so what the operators
+    inside a region save goes to the region's hooks and is not counted here. What the checkpoint
+    keeps for its recomputation is: ``vision_ckpt.checkpoint`` saves the region's tensor inputs
+    (also those inside lists, tuples and dicts) as saved variables while the enclosing hooks are
+    active, so each distinct input tensor reaches this pack hook once per call (see NOTE
+    [ Nested checkpoints ] and NOTE [ Inputs are captured at call time ] in
+    ``vision_ckpt._core``). What the core holds by plain Python reference (RNG states,
+    non-tensor arguments) never reaches a pack hook; use :func:`track_peak_memory` for all the
+    memory held between forward and backward.
 
     Storages are counted cumulatively: building and freeing two graphs inside one block counts
-    both. Meta tensors are ignored.
+    both. A storage freed and a new one at the same address count as two. Meta tensors are
+    ignored.
 
     Args:
         *exclude: tensors, modules or containers (as for :func:`track_peak_memory`'s roots)
             whose storages are not counted: pass the model to count activations only, since
             layers also save their weights for backward.
+        region: attributes the bytes to regions. Called at each pack, it returns the region
+            running now (any hashable, e.g. the name of the innermost block) or ``None``. Only
+            tensors packed while it returns a region are counted (and marked as seen), and
+            ``by_region`` gets each storage's bytes under the region that packed it first.
 
     Yields:
         A :class:`SavedBytes` that is updated as tensors are packed.
@@ -173,6 +188,14 @@ def count_saved_bytes(*exclude: Any) -> Iterator[SavedBytes]:
     >>> x = torch.ones(256, requires_grad=True)
     >>> with count_saved_bytes() as saved:
     ...     y = x.sin().sum()
+    >>> saved.nbytes, saved.num_packed
+    (1024, 1)
+
+    A checkpointed region's input is counted; what the region's operators save is not:
+
+    >>> import vision_ckpt
+    >>> with count_saved_bytes() as saved:
+    ...     y = vision_ckpt.checkpoint(lambda t: t.sin().sin(), x * 2)
     >>> saved.nbytes, saved.num_packed
     (1024, 1)
     """
@@ -187,12 +210,15 @@ def count_saved_bytes(*exclude: Any) -> Iterator[SavedBytes]:
             excluded.add(storage.data_ptr())
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        key = region() if region is not None else None
+        if region is not None and key is None:
+            return t  # outside every region: not counted
         result.num_packed += 1
         for plain in _plain_tensors(t):
-            count(_storage_of(plain))
+            count(_storage_of(plain), key)
         return t
 
-    def count(storage: torch.UntypedStorage | None) -> None:
+    def count(storage: torch.UntypedStorage | None, key: Hashable | None) -> None:
         if storage is not None and storage.data_ptr() not in excluded:
             ptr = storage.data_ptr()
             known = seen.get(ptr)
@@ -200,6 +226,8 @@ def count_saved_bytes(*exclude: Any) -> Iterator[SavedBytes]:
                 seen[ptr] = weakref.ref(storage)
                 result.nbytes += storage.nbytes()
                 result.num_storages += 1
+                if key is not None:
+                    result.by_region[key] = result.by_region.get(key, 0) + storage.nbytes()
 
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t

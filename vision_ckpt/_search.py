@@ -1,0 +1,336 @@
+"""The uniform-level search: what each training level costs (:func:`profile`), and the lowest
+level that fits a memory budget (:func:`suggest_level`).
+
+Every level is measured on the same applied config, switching only the global training level;
+see NOTE [ Measuring without the memory of the largest level ] in ``vision_ckpt.profile``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ._extrapolate import extrapolated_peak, peak_measurer, predict_peak
+from ._measure import (
+    LossFn,
+    Workload,
+    applied,
+    default_loss,
+    following_global,
+    measure_flops,
+    measure_memory,
+    measure_time,
+    model_restored,
+    run_step,
+)
+from .config import CheckpointConfig, parse_memory_budget
+from .errors import ConfigError
+from .levels import parse_level
+from .wrapper import training_level
+
+__all__ = [
+    "LevelProfile",
+    "ProfileResult",
+    "Suggestion",
+    "profile",
+    "suggest_level",
+    "check_margin",
+]
+
+
+@dataclass
+class LevelProfile:
+    """What one training level costs in a training step."""
+
+    level: int
+    """The training level measured."""
+    regions: int
+    """Modules checkpointed at this level (as the plan reports them)."""
+    peak_bytes: int | None = None
+    """Peak of live tensor bytes during the step: parameters, gradients, optimizer state and
+    activations (deterministic byte count)."""
+    activation_bytes: int | None = None
+    """Peak minus the bytes live before the forward."""
+    saved_bytes: int | None = None
+    """Activation bytes autograd kept from forward to backward (each storage once; parameters
+    and buffers, which layers also save, are not counted)."""
+    backward_flops: int | None = None
+    """FLOPs of the backward pass, recomputation included."""
+    step_time_s: float | None = None
+    """Median wall time of a step over the timed repetitions."""
+    time_ratio: float | None = None
+    """``step_time_s`` over level 0's (or the lowest level measured)."""
+    saving: float | None = None
+    """``1 - peak / peak at level 0``: the share of level 0's step peak this level saves."""
+    cuda_peak_bytes: int | None = None
+    """``torch.cuda.max_memory_allocated`` over the step, on CUDA."""
+    skipped: str | None = None
+    """Why the level was not run (e.g. its predicted peak is over ``memory_limit``)."""
+
+
+@dataclass
+class ProfileResult:
+    """The result of :func:`profile`: one :class:`LevelProfile` per level, lowest level first."""
+
+    model: str
+    batch_size: int
+    input_shape: tuple[int, ...]
+    device: str
+    steps: int
+    levels: list[LevelProfile] = field(default_factory=list)
+
+    def level(self, value: int) -> LevelProfile:
+        for entry in self.levels:
+            if entry.level == value:
+                return entry
+        raise KeyError(value)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the CLI's ``--json`` format)."""
+        data = asdict(self)
+        data["input_shape"] = list(self.input_shape)
+        return data
+
+
+@dataclass
+class Suggestion:
+    """The answer of :func:`suggest_level`."""
+
+    level: int | None
+    """Lowest uniform level whose predicted peak fits the budget with the margin; ``None``
+    when no level fits."""
+    budget_bytes: int
+    margin: float
+    """Share of the budget kept free: a level fits when ``predicted * (1 + margin) <= budget``."""
+    batch_size: int
+    predicted_peak: dict[int, int]
+    """Predicted step peak at ``batch_size`` per level."""
+    measured: dict[int, list[tuple[int, int]]]
+    """Per level, the (batch size, measured peak) points the prediction extrapolates from."""
+    smallest_peak: int
+    """The smallest predicted peak over the levels tried."""
+
+    @property
+    def fits(self) -> bool:
+        return self.level is not None
+
+    def explain(self) -> str:
+        from ._memory import format_bytes
+
+        if self.level is None:
+            best = min(self.predicted_peak, key=self.predicted_peak.__getitem__)
+            return (
+                f"no level fits {format_bytes(self.budget_bytes)} at batch {self.batch_size} "
+                f"(margin {self.margin:.0%}): the smallest predicted peak is "
+                f"{format_bytes(self.smallest_peak)} at level {best}. Lower the batch size or "
+                "raise the budget."
+            )
+        peak = self.predicted_peak[self.level]
+        return (
+            f"level {self.level} fits: predicted peak {format_bytes(peak)}"
+            f" at batch {self.batch_size}, budget {format_bytes(self.budget_bytes)} "
+            f"(margin {self.margin:.0%})"
+        )
+
+
+def _regions_at(plan: Any, level: int) -> int:
+    return len(plan.at_level(level).checkpointed)
+
+
+def _check_levels(levels: Iterable[int]) -> list[int]:
+    parsed = sorted({int(parse_level(v, what="profiled level")) for v in levels})
+    if not parsed:
+        raise ConfigError("no level to profile: pass at least one level 0-5, e.g. levels=range(6)")
+    return parsed
+
+
+def check_margin(margin: float) -> None:
+    """Reject a budget margin outside ``[0, 1)``."""
+    if not 0 <= margin < 1:
+        raise ConfigError(f"margin={margin} is not valid; expected a fraction in [0, 1)")
+
+
+def profile(
+    model: torch.nn.Module,
+    example_input: torch.Tensor,
+    levels: Iterable[int] = range(6),
+    config: CheckpointConfig | None = None,
+    steps: int = 3,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    memory_limit: int | str | None = None,
+    flops: bool = True,
+    on_level: Callable[[LevelProfile], None] | None = None,
+    model_name: str | None = None,
+) -> ProfileResult:
+    """Measure memory and time of a training step at each training level.
+
+    The model gets ``config`` (default: its preset, or the structural fallback) applied for the
+    duration of the call and is restored afterwards. For each level: one step under byte
+    counting (peak, activation and saved bytes), one under a FLOP counter (backward FLOPs) and
+    ``steps`` timed steps after a warm-up (median).
+
+    Args:
+        model: the model, in training mode, on its device.
+        example_input: one input batch (dim 0 is the batch).
+        levels: training levels to measure (0-5).
+        config: level rules; its ``training_checkpoint_level`` is ignored here.
+        steps: timed steps per level.
+        loss_fn: turns the model output into a scalar loss; default mean of squares.
+        optimizer: if given, each step also runs ``optimizer.step()`` (and its state counts).
+        memory_limit: skip levels whose step peak, extrapolated from two small batches, would
+            exceed this (bytes or a size such as ``"6GiB"``); they are reported, not run.
+        flops: also count backward FLOPs.
+        on_level: called with each level's result as soon as it is measured (progress bars).
+        model_name: a name for the report.
+
+    Returns:
+        A :class:`ProfileResult` with one :class:`LevelProfile` per level, lowest level first.
+
+    >>> import torch, timm, vision_ckpt
+    >>> model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    >>> result = vision_ckpt.profile(model, torch.randn(2, 3, 32, 32), levels=[0, 5], steps=1)
+    >>> r0, r5 = result.level(0), result.level(5)
+    >>> r5.saved_bytes < r0.saved_bytes
+    True
+    """
+    chosen = _check_levels(levels)
+    if steps < 1:
+        raise ConfigError(f"steps={steps} is not valid; at least one timed step is needed")
+    limit = parse_memory_budget(memory_limit) if memory_limit is not None else None
+    work = Workload(model, example_input, loss_fn or default_loss, optimizer)
+    result = ProfileResult(
+        model=model_name or type(model).__name__,
+        batch_size=work.batch_size,
+        input_shape=tuple(example_input.shape),
+        device=str(work.device),
+        steps=steps,
+    )
+    by_level: dict[int, LevelProfile] = {}
+    with model_restored(model, optimizer), applied(model, following_global(config)) as plan:
+        if optimizer is not None:
+            # One step first, so that every level is measured with the optimizer state present
+            # (not only the first level measured, which would otherwise create it).
+            with training_level(max(chosen)):
+                run_step(work, work.batch(2))
+        over_limit_from: int | None = None
+        for level in sorted(chosen, reverse=True):  # cheapest in memory first
+            entry = LevelProfile(level=level, regions=_regions_at(plan, level))
+            by_level[level] = entry
+            with training_level(level):
+                predicted = None
+                if over_limit_from is None and limit is not None:
+                    predicted = predict_peak(work, limit)
+                if over_limit_from is not None:
+                    entry.skipped = (
+                        f"not run: level {over_limit_from} already exceeded memory_limit"
+                    )
+                elif predicted is not None and predicted > limit:  # type: ignore[operator]
+                    entry.skipped = (
+                        f"not run: predicted peak {predicted} bytes exceeds memory_limit "
+                        f"{limit} bytes"
+                    )
+                    over_limit_from = level
+                else:
+                    _profile_level(entry, work, steps, flops)
+            if on_level is not None:
+                on_level(entry)
+    result.levels = [by_level[level] for level in chosen]
+    _fill_ratios(result)
+    return result
+
+
+def _profile_level(entry: LevelProfile, work: Workload, steps: int, flops: bool) -> None:
+    """Measure one level at the example's batch, at the training level in force."""
+    x = work.example
+    peak, activation, saved, cuda_peak = measure_memory(work, x)
+    entry.peak_bytes, entry.activation_bytes, entry.saved_bytes = peak, activation, saved
+    entry.cuda_peak_bytes = cuda_peak
+    if flops:
+        entry.backward_flops = measure_flops(work, x)
+    entry.step_time_s = measure_time(work, x, steps)
+
+
+def _fill_ratios(result: ProfileResult) -> None:
+    measured = [e for e in result.levels if e.skipped is None]
+    if not measured:
+        return
+    base = measured[0]
+    for entry in measured:
+        if base.step_time_s:
+            entry.time_ratio = entry.step_time_s / base.step_time_s  # type: ignore[operator]
+        if base.peak_bytes:
+            entry.saving = 1.0 - entry.peak_bytes / base.peak_bytes  # type: ignore[operator]
+
+
+def suggest_level(
+    model: torch.nn.Module,
+    example_input: torch.Tensor,
+    budget: int | str,
+    batch_size: int | None = None,
+    *,
+    levels: Iterable[int] = range(6),
+    config: CheckpointConfig | None = None,
+    margin: float = 0.05,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Suggestion:
+    """The lowest uniform training level whose predicted step peak fits ``budget``.
+
+    Each level is measured at two small batch sizes and its peak extrapolated to ``batch_size``
+    (see NOTE [ Measuring without the memory of the largest level ]); the target batch itself is
+    never run. A level fits when ``predicted * (1 + margin) <= budget``.
+
+    Args:
+        model: the model (training mode), on its device.
+        example_input: an input batch; rows are sliced or tiled to the batch sizes measured.
+        budget: bytes, or a size such as ``"6GiB"`` / ``"8 GB"``.
+        batch_size: the batch size to predict for (default: the example's).
+        levels: levels to consider.
+        config: level rules (default: the model's preset or the structural fallback).
+        margin: fraction of the budget kept free.
+        loss_fn: as in :func:`profile`.
+        optimizer: as in :func:`profile`.
+
+    Returns:
+        A :class:`Suggestion`; ``level`` is ``None`` when nothing fits, and ``explain()`` then
+        gives the smallest achievable peak.
+
+    >>> import torch, timm, vision_ckpt
+    >>> model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    >>> x = torch.randn(4, 3, 32, 32)
+    >>> s = vision_ckpt.suggest_level(model, x, "1GiB", batch_size=8, levels=[0, 5])
+    >>> s.level
+    0
+    """
+    budget_bytes = parse_memory_budget(budget)
+    check_margin(margin)
+    chosen = _check_levels(levels)
+    work = Workload(model, example_input, loss_fn or default_loss, optimizer)
+    target = batch_size or work.batch_size
+    if target < 1:
+        raise ConfigError(f"batch_size={batch_size} is not valid; expected a positive integer")
+    predicted: dict[int, int] = {}
+    measured: dict[int, list[tuple[int, int]]] = {}
+    with model_restored(model, optimizer):
+        with applied(model, following_global(config)):
+            measure = peak_measurer(work)
+            for level in sorted(chosen, reverse=True):  # cheapest in memory first
+                with training_level(level):
+                    predicted[level], measured[level] = extrapolated_peak(
+                        measure, target, budget_bytes
+                    )
+    fitting = [lv for lv in chosen if predicted[lv] * (1 + margin) <= budget_bytes]
+    return Suggestion(
+        level=fitting[0] if fitting else None,
+        budget_bytes=budget_bytes,
+        margin=margin,
+        batch_size=target,
+        predicted_peak=dict(sorted(predicted.items())),
+        measured=dict(sorted(measured.items())),
+        smallest_peak=min(predicted.values()),
+    )
