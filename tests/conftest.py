@@ -8,6 +8,8 @@
 - ``core_calls``: a list that records every call of the core's ``checkpoint`` during the test
   (the wrapper and ``apply`` reach the core through the module attribute, so this sees them).
 - every test starts and ends at global training level 0.
+
+Torch runs on one thread here: see the repository's top-level ``conftest.py``.
 """
 
 from __future__ import annotations
@@ -18,11 +20,6 @@ from typing import Any
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-# The suite runs tiny models, where intra-op threads only add scheduling overhead; on a busy
-# machine OpenMP's spinning worker threads made single steps up to 100x slower. One thread keeps
-# the suite fast and its timings stable. (Benchmarks and examples keep torch's default.)
-torch.set_num_threads(1)
 
 
 def _assert_exact(actual: Any, expected: Any, where: str = "value") -> None:

@@ -3,14 +3,11 @@ backward and checkpointing."""
 
 from __future__ import annotations
 
-import doctest
-
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from vision_ckpt import _memory
 from vision_ckpt._memory import count_saved_bytes, format_bytes, track_peak_memory
 
 MiB = 2**20
@@ -21,11 +18,6 @@ def _chain(x: torch.Tensor, n: int = 6) -> torch.Tensor:
     for _ in range(n):
         x = x.sin() * 1.5
     return x
-
-
-def test_doctests() -> None:
-    failures, tried = doctest.testmod(_memory)
-    assert tried > 0 and failures == 0
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,39 @@
+"""Settings for everything pytest runs here: the tests in ``tests/`` and the package's doctests.
+
+``python -m pytest`` runs the ``>>>`` examples of every ``vision_ckpt`` module
+(``--doctest-modules`` in pyproject.toml); ``tests/conftest.py`` holds the fixtures of the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+# The suite runs tiny models, where intra-op threads only add scheduling overhead; on a busy
+# machine OpenMP's spinning worker threads made single steps up to 100x slower. One thread keeps
+# the suite fast and its timings stable. (Benchmarks and examples keep torch's default.)
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_doctest(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A doctest starts at training level 0 and leaves no global state behind: the level and
+    the preset registry (the presets examples register a preset) are put back afterwards."""
+    if not isinstance(request.node, pytest.DoctestItem):
+        yield
+        return
+    import vision_ckpt
+    from vision_ckpt import presets
+
+    saved = (list(presets._selectors), dict(presets._registered), dict(presets._cache))
+    vision_ckpt.set_training_level(0)
+    try:
+        yield
+    finally:
+        vision_ckpt.set_training_level(0)
+        presets._selectors[:] = saved[0]
+        for registry, before in zip((presets._registered, presets._cache), saved[1:], strict=True):
+            registry.clear()
+            registry.update(before)
