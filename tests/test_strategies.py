@@ -1,0 +1,229 @@
+"""Strategies per module (full, selective, segments), the ``auto`` nesting mode, and the presets
+that use them: exact gradients at every level, memory that the cheap levels really save, and the
+errors and warnings a user meets."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import vision_ckpt
+from vision_ckpt import CheckpointConfig, ConfigError
+from vision_ckpt._memory import track_peak_memory
+
+# Tiny configs of the six families the frontier benchmark measures, with drop-path on.
+FAMILIES = {
+    "resnet50": ({}, 32),
+    "convnext_tiny": ({"depths": (1, 1, 2, 1), "dims": (8, 16, 24, 32), "drop_path_rate": 0.1}, 32),
+    "vit_tiny_patch16_224": (
+        {"img_size": 32, "patch_size": 8, "depth": 5, "drop_path_rate": 0.1, "proj_drop_rate": 0.1},
+        32,
+    ),
+    "swin_tiny_patch4_window7_224": (
+        {
+            "img_size": 56,
+            "depths": (2, 2, 2, 2),
+            "embed_dim": 24,
+            "num_heads": (1, 2, 3, 4),
+            "drop_path_rate": 0.1,
+        },
+        56,
+    ),
+    "efficientnet_b0": ({"drop_path_rate": 0.1}, 32),
+    "densenet121": ({}, 32),
+}
+
+
+def _model(name: str) -> tuple[nn.Module, torch.Tensor]:
+    kwargs, size = FAMILIES[name]
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=5, **kwargs).train()
+    return model, torch.randn(2, 3, size, size)
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list, list]:
+    torch.manual_seed(1)  # the same dropout and drop-path masks in every run
+    out = model(x)
+    out.square().mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    return out.detach(), grads, [b.clone() for b in model.buffers()]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_presets_are_exact_at_every_level_with_the_new_strategies(name: str, assert_exact) -> None:
+    model, x = _model(name)
+    reference = _step(copy.deepcopy(model), x)
+    for level in range(1, 6):
+        applied = copy.deepcopy(model)
+        vision_ckpt.apply_preset(applied, level)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no selective region may run without keeping
+            got = _step(applied, x)
+        assert_exact(got[0], reference[0], f"{name} output at level {level}")
+        for i, (g, r) in enumerate(zip(got[1], reference[1], strict=True)):
+            assert_exact(g, r, f"{name} gradient {i} at level {level}")
+        for i, (b, r) in enumerate(zip(got[2], reference[2], strict=True)):
+            assert_exact(b, r, f"{name} buffer {i} (BatchNorm statistics) at level {level}")
+
+
+def _kept_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes alive at the end of the forward above what was alive before it."""
+    with track_peak_memory(model, x) as mem:
+        out = model(x)
+        kept = mem.end_bytes - mem.start_bytes
+        out.sum().backward()
+    return kept
+
+
+@pytest.mark.parametrize(
+    ("name", "size", "most"),
+    [("resnet50", 64, 0.8), ("convnext_tiny", 64, 0.8), ("efficientnet_b0", 64, 0.8)],
+)
+def test_selective_levels_keep_less_than_no_checkpointing(name: str, size: int, most: float):
+    torch.manual_seed(0)
+    kwargs = {k: v for k, v in FAMILIES[name][0].items() if k != "drop_path_rate"}
+    model = timm.create_model(name, pretrained=False, num_classes=5, **kwargs).train()
+    x = torch.randn(2, 3, size, size)
+    kept = {}
+    for level in (0, 1, 2):
+        vision_ckpt.apply_preset(model, level)
+        kept[level] = _kept_bytes(model, x)
+    vision_ckpt.remove(model)
+    assert kept[1] < most * kept[0], kept
+    assert kept[2] < kept[1], kept
+
+
+def test_stage_selective_frees_what_block_selective_cannot():
+    """Selective over single ResNet blocks keeps each block's output (its checkpoint input, as
+    wide as the block's widest tensor); over a stage it redoes them too."""
+    torch.manual_seed(0)
+    model = timm.create_model("resnet50", pretrained=False, num_classes=5).train()
+    x = torch.randn(2, 3, 64, 64)
+    keep = {"training_checkpoint_level": 1, "strict": True}
+    per_block = {**keep, "rules": [{"match": "layer*.*", "level": 1, "strategy": "selective"}]}
+    per_stage = {**keep, "rules": [{"match": "layer*", "level": 1, "strategy": "selective"}]}
+    vision_ckpt.apply(model, per_block)
+    block_kept = _kept_bytes(model, x)
+    vision_ckpt.apply(model, per_stage)
+    stage_kept = _kept_bytes(model, x)
+    vision_ckpt.remove(model)
+    assert stage_kept < 0.85 * block_kept, (stage_kept, block_kept)
+
+
+def test_a_selective_rung_steps_aside_where_a_full_region_inside_it_starts():
+    model, _ = _model("resnet50")
+    cfg = CheckpointConfig(preset="auto")
+    at1 = vision_ckpt.plan(model, cfg).at_level(1)
+    assert at1["layer1"].checkpointed and at1["layer1"].rung_at(1).strategy == "selective"
+    assert not at1["layer1.0"].checkpointed
+    at3 = at1.at_level(3)
+    assert not at3["layer1"].checkpointed and at3["layer1"].rung_at(3) is None
+    assert at3["layer1.0"].checkpointed and at3["layer1.0"].rung_at(3).strategy == "full"
+    assert "selective 1-2" in str(at3)
+
+
+def test_plan_counts_the_regions_the_forward_checkpoints(core_calls) -> None:
+    model, x = _model("vit_tiny_patch16_224")
+    depth = len(model.blocks)
+    for nesting in ("auto", "all", "outermost"):
+        for level in range(6):
+            cfg = CheckpointConfig(training_checkpoint_level=level, preset="auto", nesting=nesting)
+            plan = vision_ckpt.apply(model, cfg)
+            del core_calls[:]
+            out = model(x)  # forward only: the calls recomputation makes come later
+            calls = len(core_calls)
+            out.sum().backward()
+            regions = len(plan.checkpointed)
+            if level >= 4:  # the stack counts once in the plan, once per segment in the run
+                segments = math.ceil(depth / round(math.sqrt(depth)))
+                regions += segments - 1
+            assert calls == regions, (nesting, level, calls, str(plan))
+    vision_ckpt.remove(model)
+
+
+def test_segments_checkpoint_groups_of_sqrt_depth_layers(core_calls) -> None:
+    model, x = _model("vit_tiny_patch16_224")  # depth 5: groups of 2, 2, 1
+    vision_ckpt.apply_preset(model, 4)
+    model(x).sum().backward()
+    labels = [getattr(fn, "__vision_ckpt_region__", "") for fn in core_calls]
+    assert [x for x in labels if x.startswith("blocks[")] == [
+        "blocks[0:2]",
+        "blocks[2:4]",
+        "blocks[4:6]",
+    ]
+    # Each layer is a region in the forward and again inside its segment's recomputation: a
+    # segment is a group, so its layers stay checkpointed while it is recomputed.
+    assert sum(x.startswith("blocks.") for x in labels) == 2 * len(model.blocks)
+    plain, _ = _model("vit_tiny_patch16_224")
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in plain.named_modules()]
+    assert model.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_segments_need_a_plain_sequential() -> None:
+    model, _ = _model("vit_tiny_patch16_224")
+    with pytest.raises(ConfigError, match=r"gives segments to 'blocks.0', a Block; segments split"):
+        vision_ckpt.plan(
+            model,
+            {
+                "training_checkpoint_level": 4,
+                "rules": [{"match": "blocks.0", "level": 4, "segments": 2}],
+            },
+        )
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        (
+            {"match": "a", "level": 4, "segments": "auto", "strategy": "selective"},
+            r"segments 'auto' with strategy 'selective'.*use strategy 'full'",
+        ),
+        (
+            {"match": "a", "level": 1, "recompute_below": 64},
+            r"recompute_below 64 with strategy 'full'.*add strategy: selective",
+        ),
+        ({"match": "a", "level": 1, "strategy": "partial"}, r"strategy: got 'partial'"),
+        ({"match": "a", "level": 4, "segments": 0}, r"segments"),
+    ],
+)
+def test_strategy_options_are_validated(rule: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        CheckpointConfig(rules=[rule])
+
+
+def test_a_selective_region_that_keeps_nothing_is_reported() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
+    cfg = {
+        "training_checkpoint_level": 1,
+        "rules": [{"match_type": "Sequential", "level": 1, "strategy": "selective"}],
+        "selective": {"save_ops": ["aten.mkldnn_convolution"]},
+    }
+    vision_ckpt.apply(model, cfg)
+    with pytest.warns(
+        UserWarning,
+        match=r"met none of the operators it keeps "
+        r"\(aten.mkldnn_convolution\).*Operators it ran: .*aten.convolution",
+    ):
+        model(torch.randn(2, 3, 8, 8)).sum().backward()
+    vision_ckpt.remove(model)
+
+
+def test_recompute_below_redoes_cheap_convolutions_only() -> None:
+    from vision_ckpt.wrapper import flops_per_output
+
+    conv = torch.ops.aten.convolution.default
+    x = torch.empty(1, 64, 8, 8)
+    pointwise = (x, torch.empty(256, 64, 1, 1), None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    depthwise = (x, torch.empty(64, 1, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 64)
+    dense3x3 = (x, torch.empty(64, 64, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    assert flops_per_output(conv, pointwise) == 128
+    assert flops_per_output(conv, depthwise) == 18
+    assert flops_per_output(conv, dense3x3) == 1152
+    assert flops_per_output(torch.ops.aten.relu.default, (x,)) is None
