@@ -3,8 +3,9 @@ recompute (:func:`plan_for_budget`).
 
 Uniform levels are coarse; the planner picks individual blocks instead. It ranks the candidate
 blocks by the bytes each keeps for backward per FLOP of its forward (the price of recomputing
-it), guesses a set from those figures, and corrects the guess by measuring it (see NOTE
-[ Measuring without the memory of the largest level ] in ``vision_ckpt.profile``).
+it), guesses a set from those figures, and corrects the guess by measuring it: see NOTE
+[ Choosing blocks for a budget ] below, and NOTE [ Measuring without the memory of the largest
+level ] in ``vision_ckpt.profile``.
 """
 
 from __future__ import annotations
@@ -107,6 +108,28 @@ def _block_costs(work: Workload, x: torch.Tensor, names: list[str]) -> dict[str,
         per_op = flop_table.get(key, {})
         costs[name] = (saved.by_region.get(name, 0), int(sum(per_op.values())))
     return costs
+
+
+# NOTE [ Choosing blocks for a budget ]
+#
+# 1. Candidates: the blocks of the plan at the finest level that covers repeated blocks (3, else
+#    2, 4, 1, 5), with nested ones dropped so that no two candidates overlap
+#    (_candidate_blocks).
+# 2. Costs, from one plain forward at each of the two small batches (_block_costs): the bytes
+#    autograd saves inside each block (what checkpointing it frees, weights excluded), projected
+#    to the target batch along the line through the two batches, and its forward FLOPs (what
+#    recomputing it costs).
+# 3. Order: most bytes freed per recomputed FLOP first.
+# 4. First guess (none when level 0's predicted peak already fits the goal, budget / (1 +
+#    margin)): take blocks in that order until level 0's peak, minus the bytes they free,
+#    plus the largest of them (one block is recomputed at a time, so its activations come back
+#    during backward), is under the goal.
+# 5. Correction: measure the guess (extrapolated from small batches, like everything here); while
+#    it is over the goal, add blocks in order until their freed bytes cover the excess, and
+#    measure again, at most max_rounds times. The answer is the last measured set, if it fits.
+#
+# The chosen blocks keep their plan level (at least 1) and every other planned module gets 0, so
+# a training level equal to the highest chosen level checkpoints exactly them (_config_for).
 
 
 def plan_for_budget(
