@@ -1,15 +1,21 @@
-"""The public surface: every exported name exists and is documented, and the modules carry >>>
-examples (pytest runs them)."""
+"""The public surface: every exported name exists and is documented, the modules carry >>>
+examples (pytest runs them), the package imports torch only when needed, and the torch floor."""
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
+import subprocess
+import sys
+import textwrap
 import types
+from pathlib import Path
 
 import pytest
 
 import vision_ckpt
+from vision_ckpt import _torch_floor
 
 
 @pytest.mark.parametrize("name", vision_ckpt.__all__)
@@ -60,3 +66,98 @@ def test_public_modules_have_docstring_examples(module: str) -> None:
 def test_pytest_runs_the_package_doctests(pytestconfig: pytest.Config) -> None:
     assert pytestconfig.getoption("doctestmodules"), "run with --doctest-modules (pyproject.toml)"
     assert "vision_ckpt" in pytestconfig.getini("testpaths")
+
+
+# --- the lazy package: importing it does not import torch --------------------------------------
+
+
+def _run(code: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_config_is_usable_without_importing_torch() -> None:
+    out = _run(
+        """
+        import sys
+        import vision_ckpt.config as config
+        cfg = config.CheckpointConfig.model_validate({"rules": [{"match": "blocks.*", "level": 3}]})
+        print(cfg.rules[0].level, "torch" in sys.modules)
+        """
+    )
+    assert out.split() == ["3", "False"]
+
+
+def test_every_exported_name_imports_in_a_fresh_interpreter() -> None:
+    """``from vision_ckpt import X`` and ``dir()`` for every name, and the functions ``apply``
+    and ``profile`` stay functions when their modules are imported first."""
+    out = _run(
+        """
+        import importlib, types
+        import vision_ckpt.apply, vision_ckpt.profile
+        import vision_ckpt
+        assert callable(vision_ckpt.apply) and not isinstance(vision_ckpt.apply, types.ModuleType)
+        assert callable(vision_ckpt.profile)
+        assert not isinstance(vision_ckpt.profile, types.ModuleType)
+        assert importlib.import_module("vision_ckpt.profile").profile is vision_ckpt.profile
+        for name in vision_ckpt.__all__:
+            exec(f"from vision_ckpt import {name}")
+        assert set(vision_ckpt.__all__) <= set(dir(vision_ckpt))
+        assert isinstance(vision_ckpt._core, types.ModuleType)
+        print("ok")
+        """
+    )
+    assert out.strip() == "ok"
+
+
+def test_lazy_names_match_the_type_checking_imports_and_all() -> None:
+    """The ``TYPE_CHECKING`` block (what type checkers see), ``_LAZY`` (what runs) and
+    ``__all__`` list the same torch-dependent names, from the same modules."""
+    tree = ast.parse(Path(vision_ckpt.__file__).read_text())
+    (block,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+    ]
+    typed = {
+        alias.asname or alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert typed == vision_ckpt._LAZY
+    eager = {n for n in vision_ckpt.__all__ if n not in typed}
+    assert all(n in vars(vision_ckpt) for n in eager), eager - set(vars(vision_ckpt))
+    assert set(typed) <= set(vision_ckpt.__all__)
+
+
+def test_register_preset_is_exported() -> None:
+    assert vision_ckpt.register_preset is vision_ckpt.presets.register_preset
+    assert "register_preset" in vision_ckpt.presets.__all__
+
+
+# --- the torch floor -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["2.14.1", "2.14.1+cu128", "3.0.0", "dev", None])
+def test_torch_at_or_above_the_floor_is_accepted(version: str | None) -> None:
+    _torch_floor.check_torch_version(version)
+
+
+def test_torch_below_the_floor_fails_at_import_and_says_how_to_fix(monkeypatch) -> None:
+    major, minor = _torch_floor.MIN_TORCH
+    floor = f"{major}.{minor}"
+    old = f"{major}.{minor - 1}.1+cpu"
+    monkeypatch.setattr(_torch_floor, "installed_torch_version", lambda: old)
+    try:
+        with pytest.raises(ImportError) as error:
+            importlib.reload(vision_ckpt)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(vision_ckpt)
+    message = str(error.value)
+    assert f"needs torch>={floor}, found torch {old}" in message
+    assert f'pip install "torch>={floor}"' in message

@@ -4,21 +4,34 @@ Every checkpointable block carries a level 0-5; the run sets one training level;
 checkpointed exactly when ``1 <= block level <= training level``.
 """
 
-from ._core import (
-    checkpoint as checkpoint,
-    checkpoint_sequential as checkpoint_sequential,
-    is_recomputing as is_recomputing,
-    set_checkpoint_debug_enabled as set_checkpoint_debug_enabled,
-)
+# NOTE [ Lazy package ]
+#
+# Importing the package must not import torch, so that ``vision_ckpt.config`` (pydantic only)
+# validates configs where torch is absent or slow to load. The torch-free modules (errors,
+# levels, config) are imported here; every other public name is listed in ``_LAZY`` with the
+# module that defines it and is imported on first access by the module ``__getattr__`` below
+# (then cached in the package namespace). ``from vision_ckpt import X``, ``vision_ckpt.X`` and
+# ``dir(vision_ckpt)`` behave as with eager imports, and ``vision_ckpt.<submodule>`` imports
+# the submodule, as it did when this file imported them all.
+#
+# Two public functions share their name with the module that defines them: ``apply`` and
+# ``profile``. When a submodule is imported, the import system binds it on the package
+# (``setattr(vision_ckpt, "profile", <module>)``); ``_Package.__setattr__`` drops that binding
+# for a name of ``_LAZY``, so ``vision_ckpt.profile`` stays the function whoever imports the
+# module ``vision_ckpt.profile`` first. The module itself is always in ``sys.modules``.
+# The ``TYPE_CHECKING`` imports give type checkers the same names; tests/test_public_api.py
+# checks that they, ``_LAZY`` and ``__all__`` agree.
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+from . import _torch_floor
 from ._version import __version__ as __version__
-from .apply import (
-    CheckpointPlan as CheckpointPlan,
-    PlanEntry as PlanEntry,
-    apply as apply,
-    apply_preset as apply_preset,
-    plan as plan,
-    remove as remove,
-)
 from .config import (
     CheckpointConfig as CheckpointConfig,
     LevelRule as LevelRule,
@@ -31,27 +44,79 @@ from .errors import (
     VisionCkptError as VisionCkptError,
     VisionCkptInternalError as VisionCkptInternalError,
 )
-from .levels import Level as Level, is_checkpointed as is_checkpointed, parse_level as parse_level
-from .presets import (
-    list_presets as list_presets,
-    load_preset as load_preset,
-    preset_for_model as preset_for_model,
+from .levels import (
+    Level as Level,
+    is_checkpointed as is_checkpointed,
+    parse_level as parse_level,
 )
-from .profile import (
-    BudgetPlan as BudgetPlan,
-    LevelProfile as LevelProfile,
-    ProfileResult as ProfileResult,
-    Suggestion as Suggestion,
-    plan_for_budget as plan_for_budget,
-    profile as profile,
-    suggest_level as suggest_level,
-)
-from .wrapper import (
-    ActivationCheckpointing as ActivationCheckpointing,
-    get_training_level as get_training_level,
-    set_training_level as set_training_level,
-    training_level as training_level,
-)
+
+_torch_floor.require_torch()  # torch older than the floor fails here, with how to upgrade
+
+if TYPE_CHECKING:
+    from ._core import (
+        checkpoint as checkpoint,
+        checkpoint_sequential as checkpoint_sequential,
+        is_recomputing as is_recomputing,
+        set_checkpoint_debug_enabled as set_checkpoint_debug_enabled,
+    )
+    from .apply import (
+        CheckpointPlan as CheckpointPlan,
+        PlanEntry as PlanEntry,
+        apply as apply,
+        apply_preset as apply_preset,
+        plan as plan,
+        remove as remove,
+    )
+    from .presets import (
+        list_presets as list_presets,
+        load_preset as load_preset,
+        preset_for_model as preset_for_model,
+        register_preset as register_preset,
+    )
+    from .profile import (
+        BudgetPlan as BudgetPlan,
+        LevelProfile as LevelProfile,
+        ProfileResult as ProfileResult,
+        Suggestion as Suggestion,
+        plan_for_budget as plan_for_budget,
+        profile as profile,
+        suggest_level as suggest_level,
+    )
+    from .wrapper import (
+        ActivationCheckpointing as ActivationCheckpointing,
+        get_training_level as get_training_level,
+        set_training_level as set_training_level,
+        training_level as training_level,
+    )
+
+# Public names that need torch, and the module that defines each (see NOTE [ Lazy package ]).
+_LAZY: dict[str, str] = {
+    "checkpoint": "_core",
+    "checkpoint_sequential": "_core",
+    "is_recomputing": "_core",
+    "set_checkpoint_debug_enabled": "_core",
+    "CheckpointPlan": "apply",
+    "PlanEntry": "apply",
+    "apply": "apply",
+    "apply_preset": "apply",
+    "plan": "apply",
+    "remove": "apply",
+    "list_presets": "presets",
+    "load_preset": "presets",
+    "preset_for_model": "presets",
+    "register_preset": "presets",
+    "BudgetPlan": "profile",
+    "LevelProfile": "profile",
+    "ProfileResult": "profile",
+    "Suggestion": "profile",
+    "plan_for_budget": "profile",
+    "profile": "profile",
+    "suggest_level": "profile",
+    "ActivationCheckpointing": "wrapper",
+    "get_training_level": "wrapper",
+    "set_training_level": "wrapper",
+    "training_level": "wrapper",
+}
 
 __all__ = [
     "__version__",
@@ -83,6 +148,7 @@ __all__ = [
     "list_presets",
     "load_preset",
     "preset_for_model",
+    "register_preset",
     "profile",
     "suggest_level",
     "plan_for_budget",
@@ -91,3 +157,33 @@ __all__ = [
     "Suggestion",
     "BudgetPlan",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is not None:
+        module = importlib.import_module(f".{module_name}", __name__)
+        namespace = globals()
+        for lazy_name, owner in _LAZY.items():
+            if owner == module_name:
+                namespace[lazy_name] = getattr(module, lazy_name)
+        return namespace[name]
+    if not name.startswith("__") and importlib.util.find_spec(f".{name}", __name__) is not None:
+        return importlib.import_module(f".{name}", __name__)  # a submodule not imported yet
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package's module type: see NOTE [ Lazy package ] for why it filters ``setattr``."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return  # the import system binding submodule vision_ckpt.apply/.profile
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
