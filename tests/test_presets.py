@@ -283,7 +283,10 @@ def test_plan_reports_preset_origins() -> None:
     model = _meta_timm("convnext_atto")()
     p = plan(model, CheckpointConfig(training_checkpoint_level=3, preset="auto"))
     assert p["stages.0.blocks.0"].origin == "preset convnext #3"
-    assert p["stages.0.blocks.0.mlp"].origin == "preset convnext #2"
+    # The stage: selective at 1 (rule #1) and 2 (#2, recompute_below), full at 4 (#4).
+    assert p["stages.0"].origin == "preset convnext #1; preset convnext #2; preset convnext #4"
+    rungs = [str(r) for r in p["stages.0"].rungs]
+    assert rungs == ["selective 1-2", "selective<100 2 only", "full 4"]
     assert p["stages"].level == 5
 
 

@@ -279,7 +279,7 @@ def _check_case(case: Case, core_calls: list[Any]) -> None:
     ref = _step(copy.deepcopy(base), x)
     keys = list(base.state_dict())
 
-    saved, flops, counts = [], [], []
+    saved, flops, counts, selective = [], [], [], []
     for level in LEVELS:
         model = copy.deepcopy(base)
         applied = apply(model, CheckpointConfig(training_checkpoint_level=level, preset="auto"))
@@ -288,6 +288,9 @@ def _check_case(case: Case, core_calls: list[Any]) -> None:
         else:
             assert all(e.origin.startswith(f"preset {case.preset} #") for e in applied)
         assert list(model.state_dict()) == keys
+        selective.append(
+            any(e.rung_at(level).strategy == "selective" for e in applied if e.checkpointed)
+        )
         del core_calls[:]
         got = _step(model, x)
         counts.append(len(core_calls))
@@ -304,14 +307,27 @@ def _check_case(case: Case, core_calls: list[Any]) -> None:
             assert remove(model) > 0
     assert counts[0] == 0, "training level 0 must not checkpoint"
     assert counts[-1] > 0
-    assert all(a >= b for a, b in zip(saved, saved[1:], strict=False)), (
-        f"saved bytes by level: {saved}"
-    )
-    assert saved[-1] < saved[0], f"saved bytes by level: {saved}"
-    assert all(a <= b for a, b in zip(flops, flops[1:], strict=False)), (
-        f"backward FLOPs by level: {flops}"
-    )
-    assert flops[-1] > flops[0], f"backward FLOPs by level: {flops}"
+    # Within each kind of level (selective ones; level 0 and the full ones) a higher level keeps
+    # no more and recomputes no less. Across kinds the order is the model's: a stage-wide
+    # selective level can keep less than per-block full checkpoints (their inputs) on a tiny
+    # config, for far less recomputation. Every level keeps at most level 0's bytes, and the top
+    # level keeps the least and recomputes the most.
+    for kind in (True, False):
+        levels = [lv for lv in LEVELS if selective[lv] == kind]
+        kept = [saved[lv] for lv in levels]
+        work = [flops[lv] for lv in levels]
+        assert all(a >= b for a, b in zip(kept, kept[1:], strict=False)), (
+            f"saved bytes by level: {saved} (selective: {selective})"
+        )
+        # 1%: with nesting auto a level-3 region recomputes its body once, which can be a hair
+        # less than what the level-2 regions inside it redid (0.02% on efficientvit_b0).
+        assert all(a <= b * 1.01 for a, b in zip(work, work[1:], strict=False)), (
+            f"backward FLOPs by level: {flops} (selective: {selective})"
+        )
+    assert all(s <= saved[0] for s in saved), f"saved bytes by level: {saved}"
+    assert saved[-1] < saved[0] and saved[-1] == min(saved), f"saved bytes by level: {saved}"
+    assert all(f >= flops[0] for f in flops), f"backward FLOPs by level: {flops}"
+    assert flops[-1] > flops[0] and flops[-1] == max(flops), f"backward FLOPs by level: {flops}"
 
 
 @pytest.mark.parametrize("case", _params(FAMILIES))

@@ -197,22 +197,70 @@ def test_strategy_options_are_validated(rule: dict, message: str) -> None:
         CheckpointConfig(rules=[rule])
 
 
-def test_a_selective_region_that_keeps_nothing_is_reported() -> None:
+def test_an_operator_no_region_runs_is_reported() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten())
+    model.append(nn.Linear(4 * 36, 2)).train()
     cfg = {
-        "training_checkpoint_level": 1,
-        "rules": [{"match_type": "Sequential", "level": 1, "strategy": "selective"}],
-        "selective": {"save_ops": ["aten.mkldnn_convolution"]},
+        "training_checkpoint_level": 3,
+        "rules": [{"match": str(i), "level": 3} for i in range(5)],
+        "selective": {"save_ops": ["aten.mkldnn_convolution", "aten.addmm"]},
     }
     vision_ckpt.apply(model, cfg)
     with pytest.warns(
         UserWarning,
-        match=r"met none of the operators it keeps "
-        r"\(aten.mkldnn_convolution\).*Operators it ran: .*aten.convolution",
-    ):
+        match=r"ran operators aten.mkldnn_convolution in their forward, so nothing was kept for "
+        r"them .*Operators they ran: .*aten.convolution",
+    ) as record:
         model(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert len(record) == 1  # addmm ran (in the Linear): only the unmet name, and only once
+    model(torch.randn(2, 3, 8, 8)).sum().backward()  # not again
     vision_ckpt.remove(model)
+
+
+def test_the_default_heavy_set_warns_only_when_none_of_it_runs() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
+    vision_ckpt.apply(
+        model,
+        {
+            "training_checkpoint_level": 1,
+            "rules": [{"match": "0", "level": 1, "strategy": "selective"}],
+        },
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the conv ran: no warning for the unmet matmuls
+        model(torch.randn(2, 3, 8, 8)).sum().backward()
+    norm_only = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).train()
+    vision_ckpt.apply(
+        norm_only,
+        {
+            "training_checkpoint_level": 1,
+            "rules": [{"match": "1", "level": 1, "strategy": "selective"}],
+        },
+    )
+    with pytest.warns(UserWarning, match=r"ran none of the operators aten.convolution, aten.mm"):
+        norm_only(torch.randn(2, 4)).sum().backward()
+
+
+def test_a_kept_output_written_in_place_stays_exact(assert_exact) -> None:
+    """Linear then ReLU(inplace=True) (SwinV2's position-bias MLP): the kept Linear output is
+    copied before the ReLU writes into it (NOTE [ Kept outputs written in place ])."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4)).train()
+    x = torch.randn(3, 8)
+    model(x).square().sum().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    vision_ckpt.apply(
+        model,
+        {
+            "training_checkpoint_level": 1,
+            "rules": [{"match_type": "Sequential", "level": 1, "strategy": "selective"}],
+        },
+    )
+    model(x).square().sum().backward()
+    for got, want in zip((p.grad for p in model.parameters()), reference, strict=True):
+        assert_exact(got, want)
 
 
 def test_recompute_below_redoes_cheap_convolutions_only() -> None:

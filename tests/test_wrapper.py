@@ -251,7 +251,8 @@ def test_level_errors_list_the_allowed_values(make, match):
 
 def test_nesting_error_lists_the_modes():
     with pytest.raises(
-        ConfigError, match=r"nesting 'inner' is not a nesting mode; allowed: 'auto' .*'all' .*'outermost'"
+        ConfigError,
+        match=r"nesting 'inner' is not a nesting mode; allowed: 'auto' .*'all' .*'outermost'",
     ):
         ActivationCheckpointing(2, nesting="inner")
 

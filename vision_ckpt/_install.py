@@ -90,8 +90,7 @@ class CheckpointedForward:
         policy = self.policy
         pinned = policy.training_level
         rungs = ", ".join(
-            f"{r.strategy}{'' if r.segments is None else f'/segments={r.segments}'}"
-            f"@{int(r.level)}"
+            f"{r.strategy}{'' if r.segments is None else f'/segments={r.segments}'}@{int(r.level)}"
             for r in policy.rungs
         )
         return (

@@ -65,7 +65,10 @@ class PlannedRung:
         if self.recompute_below is not None:
             text += f"<{self.recompute_below}"
         if self.until is not None:
-            return f"{text} {int(self.level)}-{int(self.until) - 1}"
+            last = int(self.until) - 1
+            if last == int(self.level):
+                return f"{text} {last} only"
+            return f"{text} {int(self.level)}-{last}"
         return f"{text} {int(self.level)}"
 
 
@@ -87,6 +90,9 @@ class PlanEntry:
     """Where those rules come from: ``rules[2]`` of the config, ``preset vit #3``, ``fallback``."""
     rungs: tuple[PlannedRung, ...] = ()
     """Every way it is checkpointed, by increasing level (one per level)."""
+    holds_several: frozenset[int] = frozenset()
+    """Training levels at which it directly holds two or more fully checkpointed modules, and
+    is therefore recomputed like a group (see ``CheckpointConfig.nesting``)."""
 
     def rung_at(self, level: int) -> PlannedRung | None:
         """The rung that applies at training ``level``: the highest one within it."""
@@ -159,6 +165,13 @@ class CheckpointPlan:
         entries = _decide(self.entries, lv, self.nesting)
         return replace(self, entries=entries, training_level=lv)
 
+    def _nested_by_fallback(self) -> list[str]:
+        """With ``outermost``: the modules checkpointed inside another checkpointed one."""
+        if self.nesting != "outermost":
+            return []
+        on = self.checkpointed
+        return [n for n in on if any(_is_ancestor(o, n) for o in on)]
+
     def __str__(self) -> str:
         from rich.console import Console
         from rich.table import Table
@@ -171,6 +184,12 @@ class CheckpointPlan:
         )
         if self.save_ops:
             title += f", saving outputs of {', '.join(self.save_ops)}"
+        nested = self._nested_by_fallback()
+        if nested:
+            title += (
+                f"; {len(nested)} checkpointed inside a checkpointed group or a module holding "
+                "several (recomputing those in one piece would raise the peak)"
+            )
         table = Table(title=title, title_justify="left", box=None, pad_edge=False)
         for column in ("module", "class", "levels", "checkpointed", "rule", "origin"):
             table.add_column(column, overflow="fold")
@@ -195,6 +214,7 @@ def _decide(entries: tuple[PlanEntry, ...], level: Level, nesting: str) -> tuple
     checkpointed one is checkpointed again with ``all``, inside a group, or (``auto``) when its
     own rung is selective. Entries come parents first (``named_modules()`` order)."""
     on: dict[str, PlannedRung] = {}  # checkpointed entries and their rung
+    holds = {e.name: e.holds_several for e in entries}
     out = []
     for e in entries:
         rung = e.rung_at(level)
@@ -202,9 +222,11 @@ def _decide(entries: tuple[PlanEntry, ...], level: Level, nesting: str) -> tuple
         if decided:
             outer = [name for name in on if _is_ancestor(name, e.name)]
             if outer and nesting != "all":
-                enclosing = on[max(outer, key=len)]
+                nearest = max(outer, key=len)
+                enclosing = on[nearest]
+                group = enclosing.group or int(level) in holds[nearest]
                 selective_ok = nesting == "auto" and rung.strategy == "selective"
-                decided = enclosing.group or selective_ok
+                decided = group or selective_ok
         if decided:
             on[e.name] = rung  # type: ignore[assignment]
         out.append(replace(e, checkpointed=decided) if decided != e.checkpointed else e)
@@ -324,8 +346,10 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
 
     pinned = cfg.training_checkpoint_level
     level = pinned if pinned is not None else get_training_level()
-    entries = _step_aside(
-        tuple(_entry(n, class_names[n][0], decided[n]) for n, _ in modules if n in decided)
+    entries = _holds_several(
+        _step_aside(
+            tuple(_entry(n, class_names[n][0], decided[n]) for n, _ in modules if n in decided)
+        )
     )
     return CheckpointPlan(
         model_class=_model_label(model),
@@ -380,6 +404,30 @@ def _step_aside(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
                 )
                 e = replace(e, rungs=rungs)
         out.append(e)
+    return tuple(out)
+
+
+def _holds_several(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
+    """Give every entry the training levels at which two or more fully checkpointed entries
+    sit directly inside it (no eligible entry between them)."""
+    out = []
+    for e in entries:
+        levels = set()
+        for level in range(1, 6):
+            if e.rung_at(level) is None:
+                continue
+            eligible = [o.name for o in entries if o.rung_at(level) is not None]
+            inner_full = [
+                o
+                for o in entries
+                if _is_ancestor(e.name, o.name)
+                and (rung := o.rung_at(level)) is not None
+                and rung.strategy == "full"
+                and not any(_is_ancestor(m, o.name) and _is_ancestor(e.name, m) for m in eligible)
+            ]
+            if len(inner_full) >= 2:
+                levels.add(level)
+        out.append(replace(e, holds_several=frozenset(levels)) if levels else e)
     return tuple(out)
 
 
@@ -487,22 +535,32 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
             )
         installs.append((entry, module))
     remove(model)
+    shared: dict[tuple[Any, ...], SaveOps] = {}  # one per option set: it tracks ops met
     install(
-        (module, entry.name, _policy(the_plan, entry))
+        (module, entry.name, _policy(the_plan, entry, shared))
         for entry, module in installs
         if entry.rungs  # never checkpointed: leave the module untouched
     )
     return the_plan
 
 
-def _policy(the_plan: CheckpointPlan, entry: PlanEntry) -> Policy:
+def _policy(
+    the_plan: CheckpointPlan, entry: PlanEntry, shared: dict[tuple[Any, ...], SaveOps]
+) -> Policy:
     keep = the_plan.save_ops
+
+    def save_ops(names: tuple[str, ...], below: int | None, default: bool) -> SaveOps:
+        key = (names, below, default)
+        if key not in shared:
+            shared[key] = SaveOps(names, below, default)
+        return shared[key]
+
     rungs = []
     for r in entry.rungs:
         if r.strategy == "selective":
-            context_fn = SaveOps(keep if keep else HEAVY_OPS, r.recompute_below)
+            context_fn = save_ops(keep or HEAVY_OPS, r.recompute_below, not keep)
         else:
-            context_fn = SaveOps(keep) if keep is not None else None
+            context_fn = save_ops(keep, None, False) if keep is not None else None
         rungs.append(
             Rung(r.level, r.strategy, r.segments, context_fn, r.until)  # type: ignore[arg-type]
         )
@@ -511,6 +569,7 @@ def _policy(the_plan: CheckpointPlan, entry: PlanEntry) -> Policy:
         the_plan.pinned_training_level,
         the_plan.nesting,  # type: ignore[arg-type]
         the_plan.preserve_rng_state,
+        entry.holds_several,
     )
 
 

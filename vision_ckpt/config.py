@@ -152,8 +152,9 @@ class LevelRule(_Schema):
     A rule selects modules by qualified name (``match``), by class (``match_type``), or by both
     (then a module must satisfy both). Later rules win over earlier ones.
 
-    >>> LevelRule(match="blocks.*", level=3)
-    LevelRule(match='blocks.*', match_type=None, level=<Level.MEDIUM_MODULE: 3>)
+    >>> LevelRule(match="blocks.*", level=3)  # doctest: +NORMALIZE_WHITESPACE
+    LevelRule(match='blocks.*', match_type=None, level=<Level.MEDIUM_MODULE: 3>,
+              strategy='full', segments=None, recompute_below=None)
     >>> str(LevelRule(match_type="Mlp", level="block"))
     "match_type='Mlp' level=2"
     """
@@ -441,7 +442,7 @@ class CheckpointConfig(_Schema):
 
         >>> schema = CheckpointConfig.json_schema()
         >>> schema["properties"]["nesting"]["enum"]
-        ['all', 'outermost']
+        ['auto', 'all', 'outermost']
         """
         schema = cls.model_json_schema()
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
