@@ -40,9 +40,15 @@ def test_profile_prints_the_table_and_writes_json_and_plot(tmp_path: Path, capsy
         "saving vs 0",
         "step time",
         "slowdown",
+        "frontier",
     ):
         assert column in text
+    assert "On the memory/time frontier: L" in text
     data = json.loads(out_json.read_text())
+    assert set(data["frontier"]) == {"0", "5"}
+    assert all(
+        v == "" or v.startswith(("dominated by L", "same as L")) for v in data["frontier"].values()
+    )
     assert data["model"] == "resnet18" and data["batch_size"] == 2
     assert [e["level"] for e in data["levels"]] == [0, 5]
     for entry in data["levels"]:

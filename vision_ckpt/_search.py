@@ -88,10 +88,54 @@ class ProfileResult:
                 return entry
         raise KeyError(value)
 
+    def frontier(self) -> dict[int, str]:
+        """Per measured level: ``""`` when it is on the memory/time frontier, ``"same as L3"``
+        when it checkpoints what a lower level does (same regions and bytes), or ``"dominated
+        by L3"`` when another level has no higher peak and no longer step time, and is better
+        in one of them. Levels not run are left out.
+
+        >>> r = ProfileResult("m", 8, (8, 3), "cpu", 1, [
+        ...     LevelProfile(0, 0, peak_bytes=100, saved_bytes=90, step_time_s=1.0),
+        ...     LevelProfile(1, 4, peak_bytes=60, saved_bytes=50, step_time_s=1.1),
+        ...     LevelProfile(2, 8, peak_bytes=70, saved_bytes=40, step_time_s=1.3),
+        ...     LevelProfile(3, 8, peak_bytes=70, saved_bytes=40, step_time_s=1.2)])
+        >>> r.frontier()
+        {0: '', 1: '', 2: 'dominated by L1', 3: 'same as L2'}
+        """
+        run = [e for e in self.levels if e.skipped is None and e.peak_bytes is not None]
+        out: dict[int, str] = {}
+        for e in run:
+            same = next(
+                (
+                    o
+                    for o in run
+                    if o.level < e.level
+                    and (o.regions, o.peak_bytes, o.saved_bytes)
+                    == (e.regions, e.peak_bytes, e.saved_bytes)
+                ),
+                None,
+            )
+            if same is not None:
+                out[e.level] = f"same as L{same.level}"
+                continue
+            out[e.level] = ""
+            if e.step_time_s is None:
+                continue
+            for o in run:
+                if o is e or o.step_time_s is None or o.peak_bytes is None:
+                    continue
+                no_worse = o.peak_bytes <= e.peak_bytes and o.step_time_s <= e.step_time_s
+                better = o.peak_bytes < e.peak_bytes or o.step_time_s < e.step_time_s
+                if no_worse and better:
+                    out[e.level] = f"dominated by L{o.level}"
+                    break
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the CLI's ``--json`` format)."""
         data = asdict(self)
         data["input_shape"] = list(self.input_shape)
+        data["frontier"] = {str(k): v for k, v in self.frontier().items()}
         return data
 
 

@@ -120,6 +120,8 @@ def _profile_table(result: Any) -> Any:
     has_cuda = any(e.cuda_peak_bytes is not None for e in result.levels)
     if has_cuda:
         table.add_column("cuda peak", justify="right")
+    table.add_column("frontier")
+    frontier = result.frontier()
     for e in result.levels:
         if e.skipped is not None:
             row = [str(e.level), str(e.regions), e.skipped, "", "", "", "", ""]
@@ -136,7 +138,15 @@ def _profile_table(result: Any) -> Any:
             ]
         if has_cuda:
             row.append(_fmt_bytes(e.cuda_peak_bytes))
+        mark = frontier.get(e.level)
+        row.append("" if mark is None else (mark or "yes"))
         table.add_row(*row)
+    on = [f"L{level}" for level, mark in frontier.items() if mark == ""]
+    table.caption = (
+        f"On the memory/time frontier: {', '.join(on) or 'none'}; a dominated level has a "
+        "level with no higher peak and no longer step time (times are medians, noisy on a "
+        "busy machine)."
+    )
     return table
 
 
