@@ -1,0 +1,442 @@
+"""The memory/time frontier: every training level against timm's switch and torch.compile's budget.
+
+For each model (``pretrained=False``, synthetic 224 px data, CPU) at each batch size, in one
+process, the same model and starting weights run a training step (forward, cross-entropy,
+backward) under each variant:
+
+- ``L0`` .. ``L5``: ``vision_ckpt.apply_preset(model, level)`` in the default nesting (``auto``);
+  ``L1``-``L2`` are the selective levels of the conv families;
+- ``L3all`` .. ``L5all`` (with ``--variants``): the same levels with nesting ``all``;
+- ``timm``: timm's ``model.set_grad_checkpointing(True)``;
+- ``compile``, ``compile@0.5``, ``compile@0.2`` (ViT-S and ResNet-50 only, ``--compile``):
+  ``torch.compile(model)`` with ``torch._functorch.config.activation_memory_budget`` at 1.0, 0.5
+  and 0.2 (the budget is read when the backward graph is partitioned, at compile time).
+
+Measured per variant:
+
+- ``peak``: the peak of live tensor bytes during the step above what was alive before it
+  (parameters and buffers), counted by ``vision_ckpt``'s storage tracker (deterministic). A
+  compiled step runs kernels that tracker cannot see, so every variant is also measured with
+  ``torch.profiler``'s memory events (``prof peak``: allocations minus frees in time order, the
+  maximum of the running sum): that column compares eager and compiled variants on one meter;
+- ``time``: the median over ``--reps`` rounds; the rounds interleave the variants (one step of
+  each per round), and ``time/L0`` is the median of the per-round ratios to ``L0``, so machine
+  load that changes between rounds cancels;
+- ``BN``: whether the BatchNorm running statistics after the first step equal ``L0``'s exactly.
+
+The frontier is the set of variants no other variant beats on both peak (``prof peak``) and
+time. The script prints the issue's targets, met or not, and writes ``results.json``,
+``table.md`` and ``frontier.png`` to ``--out``.
+
+Usage::
+
+    python benchmarks/bench_frontier.py --threads 2 --reps 3                 # six models, batch 32
+    python benchmarks/bench_frontier.py --models resnet50 --batch-sizes 8 --reps 2 --no-compile
+    python benchmarks/bench_frontier.py --render out/results.json            # table + plot again
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from torch import nn
+
+import vision_ckpt
+from vision_ckpt._memory import track_peak_memory
+
+MODELS = (
+    "vit_small_patch16_224",
+    "swin_tiny_patch4_window7_224",
+    "convnext_tiny",
+    "resnet50",
+    "densenet121",
+    "efficientnet_b0",
+)
+COMPILE_MODELS = ("vit_small_patch16_224", "resnet50")
+LEVELS = ("L0", "L1", "L2", "L3", "L4", "L5")
+COMPILE_VARIANTS = {"compile": 1.0, "compile@0.5": 0.5, "compile@0.2": 0.2}
+MB = 1e6
+
+
+@dataclass
+class Row:
+    model: str
+    batch: int
+    variant: str
+    peak_mb: float | None
+    """Storage-tracker peak above the start (None for compiled variants: not visible)."""
+    prof_peak_mb: float
+    """Profiler memory-event peak above the start."""
+    time_s: float
+    time_ratio: float
+    """Median over rounds of this variant's step time / L0's in the same round."""
+    times_s: list[float] = field(default_factory=list)
+    bn_exact: bool | None = None
+    regions: int = 0
+    """Modules checkpointed (our variants), -1 for timm's switch, 0 otherwise."""
+
+
+def _bn_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    model = getattr(model, "_orig_mod", model)  # a compiled module's buffers, by their names
+    return {n: b.clone() for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in names}
+
+
+def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    for p in model.parameters():
+        p.grad = None
+    F.cross_entropy(model(x), y).backward()
+
+
+def _tracked_peak(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    with track_peak_memory(model, x, y) as mem:
+        F.cross_entropy(model(x), y).backward()
+    return mem.peak_bytes - mem.start_bytes
+
+
+def _profiler_peak(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        F.cross_entropy(model(x), y).backward()
+    # Allocation (+) and free (-) records of the CPU allocator, in time order.
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    records.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in records:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+class _Variant:
+    """One way to run the model's step: a callable module plus what to measure it with."""
+
+    def __init__(self, name: str, module: nn.Module, regions: int, budget: float | None) -> None:
+        self.name, self.module, self.regions, self.budget = name, module, regions, budget
+
+    def run(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.budget is None:
+            _step(self.module, x, y)
+            return
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            _step(self.module, x, y)
+
+
+def _make_variants(
+    name: str, model: nn.Module, variants: list[str], compile_: bool
+) -> list[_Variant]:
+    out = []
+    for v in variants:
+        m = copy.deepcopy(model)
+        if v == "timm":
+            m.set_grad_checkpointing(True)
+            out.append(_Variant(v, m, -1, None))
+        elif v.startswith("L"):
+            level = int(v[1])
+            nesting = "all" if v.endswith("all") else "auto"
+            plan = vision_ckpt.apply_preset(m, level, nesting=nesting)
+            out.append(_Variant(v, m, len(plan.checkpointed), None))
+        else:
+            raise SystemExit(f"unknown variant {v!r}; allowed: L0-L5, L3all-L5all, timm")
+    if compile_ and name in COMPILE_MODELS:
+        for v, budget in COMPILE_VARIANTS.items():
+            m = torch.compile(copy.deepcopy(model))
+            out.append(_Variant(v, m, 0, budget))
+    return out
+
+
+def bench_model(
+    name: str, batch: int, reps: int, variants: list[str], compile_: bool, console: Console
+) -> list[Row]:
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False).train()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, 224, 224, generator=gen)
+    y = torch.randint(0, 1000, (batch,), generator=gen)
+    runs = _make_variants(name, model, variants, compile_)
+    console.print(f"[bold]{name}[/bold] batch {batch}: {', '.join(r.name for r in runs)}")
+    reference: dict[str, torch.Tensor] | None = None
+    rows: dict[str, Row] = {}
+    for run in runs:  # first step (warm-up, compilation) from the same weights
+        started = time.perf_counter()
+        torch.manual_seed(1)
+        run.run(x, y)
+        bn = _bn_buffers(run.module)
+        if reference is None:
+            reference = bn
+        exact = all(torch.equal(bn[k], reference[k]) for k in reference) if reference else None
+        if run.budget is None:
+            tracked: float | None = _tracked_peak(run.module, x, y) / MB
+            profiled = _profiler_peak(run.module, x, y) / MB
+        else:
+            tracked = None
+            with torch._functorch.config.patch(activation_memory_budget=run.budget):
+                profiled = _profiler_peak(run.module, x, y) / MB
+        rows[run.name] = Row(
+            name, batch, run.name, tracked, profiled, 0.0, 0.0, [], exact, run.regions
+        )
+        console.print(
+            f"  {run.name:>11}: peak {'-' if tracked is None else f'{tracked:8.1f}'} MB, "
+            f"profiler {profiled:8.1f} MB, first step {time.perf_counter() - started:6.1f} s"
+        )
+    ratios: dict[str, list[float]] = {r.name: [] for r in runs}
+    for round_ in range(reps):
+        times = {}
+        for run in runs:
+            start = time.perf_counter()
+            run.run(x, y)
+            times[run.name] = time.perf_counter() - start
+            rows[run.name].times_s.append(times[run.name])
+        for run in runs:
+            ratios[run.name].append(times[run.name] / times["L0"])
+        console.print(
+            f"  round {round_ + 1}/{reps}: " + ", ".join(f"{k} {v:.2f}s" for k, v in times.items())
+        )
+    for run in runs:
+        row = rows[run.name]
+        row.time_s = statistics.median(row.times_s)
+        row.time_ratio = statistics.median(ratios[run.name])
+    return list(rows.values())
+
+
+def frontier(rows: list[Row]) -> set[str]:
+    """Variants no other variant beats on both profiler peak and time (ties kept)."""
+    on = set()
+    for r in rows:
+        beaten = any(
+            o is not r
+            and o.prof_peak_mb <= r.prof_peak_mb
+            and o.time_ratio <= r.time_ratio
+            and (o.prof_peak_mb < r.prof_peak_mb or o.time_ratio < r.time_ratio)
+            for o in rows
+        )
+        if not beaten:
+            on.add(r.variant)
+    return on
+
+
+def _by_model(rows: list[Row]) -> dict[tuple[str, int], dict[str, Row]]:
+    out: dict[tuple[str, int], dict[str, Row]] = {}
+    for r in rows:
+        out.setdefault((r.model, r.batch), {})[r.variant] = r
+    return out
+
+
+def table(rows: list[Row]) -> list[str]:
+    header = [
+        "model",
+        "batch",
+        "variant",
+        "peak MB",
+        "prof peak MB",
+        "peak/L0",
+        "time/L0",
+        "peak/timm",
+        "BN exact",
+        "frontier",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (model, batch), by in _by_model(rows).items():
+        plain, t = by.get("L0"), by.get("timm")
+        on = frontier(list(by.values()))
+        for v, r in by.items():
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        model,
+                        str(batch),
+                        v,
+                        "-" if r.peak_mb is None else f"{r.peak_mb:.0f}",
+                        f"{r.prof_peak_mb:.0f}",
+                        f"{r.prof_peak_mb / plain.prof_peak_mb:.2f}" if plain else "",
+                        f"{r.time_ratio:.2f}x",
+                        f"{r.prof_peak_mb / t.prof_peak_mb:.2f}" if t else "",
+                        "-" if r.bn_exact is None else ("yes" if r.bn_exact else "no"),
+                        "yes" if v in on else "",
+                    ]
+                )
+                + " |"
+            )
+    return lines
+
+
+def targets(rows: list[Row]) -> list[str]:
+    """The frontier issue's targets, per model (profiler peaks, time ratios to L0)."""
+    out = []
+    counts = {"cheap": 0, "beat_timm": 0, "top": 0, "monotone": 0}
+    models = _by_model(rows)
+    for (model, batch), by in models.items():
+        plain, t = by["L0"], by.get("timm")
+        ours = [by[v] for v in LEVELS if v in by]
+        cheap = [
+            r.variant
+            for r in ours
+            if r.prof_peak_mb <= 0.4 * plain.prof_peak_mb and r.time_ratio <= 1.12
+        ]
+        beat = (
+            []
+            if t is None
+            else [
+                r.variant
+                for r in ours
+                if r.time_ratio <= t.time_ratio * 1.03 and r.prof_peak_mb <= 0.85 * t.prof_peak_mb
+            ]
+        )
+        top = by.get("L5")
+        top_ok = (
+            t is not None
+            and top is not None
+            and top.prof_peak_mb <= 0.7 * t.prof_peak_mb
+            and top.time_ratio <= 1.7
+        )
+        steps = []
+        for lo, hi in zip(ours, ours[1:], strict=False):
+            lower = hi.prof_peak_mb <= 0.95 * lo.prof_peak_mb
+            cheap_step = hi.time_ratio <= lo.time_ratio * 1.03
+            never_higher = hi.prof_peak_mb <= lo.prof_peak_mb * 1.001
+            steps.append((hi.variant, (lower or cheap_step) and never_higher))
+        monotone = all(ok for _, ok in steps)
+        counts["cheap"] += bool(cheap)
+        counts["beat_timm"] += bool(beat)
+        counts["top"] += top_ok
+        counts["monotone"] += monotone
+        top_text = (
+            f"{top.prof_peak_mb / t.prof_peak_mb:.2f}x timm at {top.time_ratio:.2f}x"
+            if t and top
+            else "-"
+        )
+        out.append(
+            f"{model} b{batch}: <=0.4x peak at <=1.12x time: {cheap or 'none'}; <=0.85x timm's "
+            f"peak at <= its time: {beat or 'none'}; top {top_text} (<=0.7x, <=1.7x): "
+            f"{'met' if top_ok else 'missed'}; levels each buy memory or cost <=3%: "
+            f"{'met' if monotone else [v for v, ok in steps if not ok]}"
+        )
+    n = len(models)
+    out.append(
+        f"models with a <=0.4x/<=1.12x level: {counts['cheap']}/{n} (target 4 of 6); beating timm "
+        f"by 15% at its time: {counts['beat_timm']}/{n} (4 of 6); top level target: "
+        f"{counts['top']}/{n} (4 of 6); level steps: {counts['monotone']}/{n} (all)"
+    )
+    return out
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = _by_model(rows)
+    cols = min(3, len(models))
+    fig_rows = (len(models) + cols - 1) // cols
+    fig, axes = plt.subplots(fig_rows, cols, figsize=(5 * cols, 4 * fig_rows), squeeze=False)
+    for ax, ((model, batch), by) in zip(axes.flat, models.items(), strict=False):
+        on = frontier(list(by.values()))
+        for v, r in by.items():
+            kind = "o" if v.startswith("L") else ("s" if v == "timm" else "^")
+            ax.scatter(
+                r.time_ratio,
+                r.prof_peak_mb,
+                marker=kind,
+                color="C0" if v in on else "0.6",
+                zorder=3,
+            )
+            ax.annotate(
+                v,
+                (r.time_ratio, r.prof_peak_mb),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+        front = sorted((by[v] for v in on), key=lambda r: r.time_ratio)
+        ax.step(
+            [r.time_ratio for r in front],
+            [r.prof_peak_mb for r in front],
+            where="post",
+            color="C0",
+            lw=1,
+        )
+        ax.set_title(f"{model}, batch {batch}", fontsize=9)
+        ax.set_xlabel("step time / no checkpointing")
+        ax.set_ylabel("peak MB (profiler)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(models) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--batch-sizes", default="32")
+    p.add_argument("--variants", default=",".join((*LEVELS, "timm")))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--out", default="frontier_out")
+    p.add_argument("--render", help="results.json of an earlier run: print and plot it again")
+    args = p.parse_args(argv)
+    console = Console()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        rows = [Row(**r) for r in data["rows"]]
+        command = data["command"]
+    else:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        variants = args.variants.split(",")
+        if "L0" not in variants:
+            variants.insert(0, "L0")
+        rows = []
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            for name in args.models.split(","):
+                rows += bench_model(name, batch, args.reps, variants, args.compile, console)
+                Path(out / "results.json").write_text(
+                    json.dumps(
+                        {
+                            "command": "python " + shlex.join(sys.argv),
+                            "environment": f"torch {torch.__version__}, timm {timm.__version__}, "
+                            f"{platform.processor() or platform.machine()}, "
+                            f"{torch.get_num_threads()} threads",
+                            "rows": [asdict(r) for r in rows],
+                        },
+                        indent=1,
+                    )
+                )
+        command = "python " + shlex.join(sys.argv)
+    lines = table(rows)
+    (out / "table.md").write_text(f"`{command}`\n\n" + "\n".join(lines) + "\n")
+    plot(rows, out / "frontier.png")
+    console.print("\n".join(lines))
+    for line in targets(rows):
+        console.print(line)
+    console.print(f"wrote {out}/results.json, table.md, frontier.png; reproduce with: {command}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
