@@ -61,21 +61,25 @@ class Transition(nn.Sequential):
 
 @contextlib.contextmanager
 def record_core_calls() -> Iterator[list[bool]]:
-    """Record the calls of the core's ``checkpoint`` made while the block runs.
+    """Record the calls of the core (``checkpoint``, ``checkpoint_region``) while the block runs.
 
     Yields a list that gets one entry per call: ``True`` when the call was made while a region
     was being recomputed for backward (a nested region met again), ``False`` for a region the
     forward started. ``calls.count(False)`` is the number of regions the forward started.
     """
     calls: list[bool] = []
-    real = _core.checkpoint
+    real, real_region = _core.checkpoint, _core.checkpoint_region
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         calls.append(vision_ckpt.is_recomputing())
         return real(*args, **kwargs)
 
-    _core.checkpoint = recording
+    def recording_region(*args: Any, **kwargs: Any) -> Any:  # the wrapper's entry point
+        calls.append(vision_ckpt.is_recomputing())
+        return real_region(*args, **kwargs)
+
+    _core.checkpoint, _core.checkpoint_region = recording, recording_region
     try:
         yield calls
     finally:
-        _core.checkpoint = real
+        _core.checkpoint, _core.checkpoint_region = real, real_region

@@ -122,17 +122,38 @@ def _reset_training_level() -> Any:
     vision_ckpt.set_training_level(0)
 
 
+class CoreCalls(list):
+    """The functions handed to the core, with what the caller told it of each region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels: list[str | None] = []
+        self.modules: list[Any] = []
+
+
 @pytest.fixture
-def core_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every function passed to the core's checkpoint while the test runs."""
+def core_calls(monkeypatch: pytest.MonkeyPatch) -> CoreCalls:
+    """Every function passed to the core (``checkpoint`` or the wrapper's ``checkpoint_region``)
+    while the test runs; ``.labels`` and ``.modules`` hold the region names and modules the
+    wrapper gave (``None`` for direct ``checkpoint`` calls)."""
     import vision_ckpt
 
-    calls: list[Any] = []
-    real = vision_ckpt._core.checkpoint
+    calls = CoreCalls()
+    core = vision_ckpt._core
+    real, real_region = core.checkpoint, core.checkpoint_region
 
     def counting(fn: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(fn)
+        calls.labels.append(None)
+        calls.modules.append(None)
         return real(fn, *args, **kwargs)
 
-    monkeypatch.setattr(vision_ckpt._core, "checkpoint", counting)
+    def counting_region(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(fn)
+        calls.labels.append(kwargs.get("label"))
+        calls.modules.append(kwargs.get("module"))
+        return real_region(fn, *args, **kwargs)
+
+    monkeypatch.setattr(core, "checkpoint", counting)
+    monkeypatch.setattr(core, "checkpoint_region", counting_region)
     return calls

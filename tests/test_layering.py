@@ -6,8 +6,8 @@
 2. imports point down the layers in :data:`LAYERS`, the real dependency graph (README,
    "Development"); a module missing from it fails, so a new module gets a place.
 
-Violations that exist today in modules being rewritten are listed in :data:`ALLOWED`; the test
-fails on any other violation and on an entry of the list that no longer occurs.
+There are no exceptions: the install layer and the public ``_core.region_label`` /
+``region_depth`` and ``errors.internal_assert`` removed the last ones.
 """
 
 from __future__ import annotations
@@ -38,17 +38,6 @@ LAYERS: list[set[str]] = [
     {"__main__"},
 ]
 RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
-
-# Private names used across modules today, in files being rewritten (issue 9): each entry is
-# (importing module, "module.name" used). The install-layer rewrite removes them; keep this
-# list to what still occurs.
-ALLOWED: set[tuple[str, str]] = {
-    ("_core", "errors._internal_assert"),  # the internal-invariant helper, shared on purpose
-    ("wrapper", "_core._region_label"),  # region metadata: becomes keyword arguments
-    ("wrapper", "_core._region_depth"),  # of an internal core entry point
-    ("_measure", "apply._installed"),  # _install.installed, once _measure imports _install
-    ("_measure", "apply._reinstall"),  # _install.reinstall, likewise
-}
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -168,20 +157,11 @@ own._private
 
 def test_modules_use_only_public_names_of_each_other() -> None:
     found = _violations()
-    new = {
-        f"vision_ckpt/{m}.py:{line} uses {used}"
-        for (m, used), line in found.items()
-        if (m, used) not in ALLOWED
-    }
+    new = {f"vision_ckpt/{m}.py:{line} uses {used}" for (m, used), line in found.items()}
     assert not new, (
         "a module imports another module's private name; make the name public (drop the "
         "underscore, add it to __all__) or move the code:\n" + "\n".join(sorted(new))
     )
-
-
-def test_allowed_private_uses_still_occur() -> None:
-    stale = ALLOWED - set(_violations())
-    assert not stale, f"remove these entries from ALLOWED, they no longer occur: {sorted(stale)}"
 
 
 @pytest.mark.parametrize("module", sorted(_modules()))

@@ -224,9 +224,9 @@ def test_region_name_and_module_reach_the_core(core_calls):
     block = Block(1)
     with training_level(1):
         block(torch.randn(2, 8))
-    (fn,) = core_calls
-    assert fn.__vision_ckpt_module__ is block.mlp
-    assert fn.__vision_ckpt_region__ == "Sequential"
+    assert len(core_calls) == 1
+    assert core_calls.modules == [block.mlp]
+    assert core_calls.labels == ["Sequential"]
 
 
 @pytest.mark.parametrize(

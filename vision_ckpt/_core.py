@@ -33,7 +33,7 @@ import torch.utils.checkpoint as _torch_ckpt
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import CheckpointError, _internal_assert
+from .errors import CheckpointError, internal_assert
 
 __all__ = [
     "checkpoint",
@@ -43,7 +43,7 @@ __all__ = [
     "CheckpointError",
 ]
 
-try:  # torch >= 2.11 exposes a way to create a standalone SavedVariable.
+try:  # torch >= 2.12 exposes a way to create a standalone SavedVariable.
     from torch._C._autograd import _make_saved_tensor
 except ImportError:  # pragma: no cover - exercised only on older torch
     _make_saved_tensor = None
@@ -95,7 +95,7 @@ def is_recomputing() -> bool:
     return _state.recompute_depth > 0
 
 
-def _region_depth() -> int:
+def region_depth() -> int:
     """Checkpointed regions currently running (forward or recomputation) on this thread.
 
     A recomputation starts from depth 1, as if no other region were active, so a decision
@@ -185,6 +185,7 @@ class _Frame:
 
     __slots__ = (
         "fn",
+        "label",
         "args",
         "kwargs",
         "spec",
@@ -224,7 +225,7 @@ class _Frame:
         tensor = None if slots is None else slots.pop(gid, None)
         if tensor is None:
             raise CheckpointError(
-                f"vision_ckpt.checkpoint: in region {_region_name(self.fn)}, backward asked for "
+                f"vision_ckpt.checkpoint: in region {_region_name(self)}, backward asked for "
                 "a saved tensor that this backward pass already used, or that the "
                 "recomputation did not produce. A custom autograd.Function must read "
                 "ctx.saved_tensors only once per backward; if the region saves fewer tensors "
@@ -290,7 +291,7 @@ class _RecomputePack:
                 frame.ignore_count = True
                 return x
             raise CheckpointError(
-                f"vision_ckpt.checkpoint: region {_region_name(frame.fn)} saved more tensors "
+                f"vision_ckpt.checkpoint: region {_region_name(frame)} saved more tensors "
                 f"for backward when recomputed than in its original forward ({self.expected}). "
                 f"The region ran different operations the second time. {_FIX_TIP}"
             )
@@ -299,7 +300,7 @@ class _RecomputePack:
             slots = holder.slots
             if slots is None:
                 holder.slots = slots = {}
-            _internal_assert(self.gid not in slots, "a holder was filled twice in one backward")
+            internal_assert(self.gid not in slots, "a holder was filled twice in one backward")
             slots[self.gid] = x
         if frame.early_stop and index + 1 == self.expected:
             raise _StopRecomputation
@@ -404,7 +405,7 @@ def _autocast_contexts(state: tuple[Any, ...] | None, device_type: str, out: lis
 # buffers are updated exactly once, by the original forward.
 #
 # Which BatchNorms belong to the region: when the region is a module (or a bound method of one,
-# or carries ``__vision_ckpt_module__``), its BatchNorm submodules, found once at forward time.
+# or the ``module`` its caller names), its BatchNorm submodules, found once at forward time.
 # For any other callable the region's modules are unknown, so while such a recomputation runs a
 # global forward pre-hook swaps the buffers of every training-mode BatchNorm it meets on this
 # thread and the matching forward hook swaps them back. The global hooks exist only while such a
@@ -425,10 +426,9 @@ def _has_running_stats(module: torch.nn.Module) -> bool:
 _UNKNOWN_MODULES: list[torch.nn.Module] = []  # sentinel: the region's modules are not known
 
 
-def _region_batchnorms(fn: Any) -> list[torch.nn.Module]:
-    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    if not isinstance(module, torch.nn.Module):
-        module = getattr(fn, "__vision_ckpt_module__", None)
+def _region_batchnorms(fn: Any, module: torch.nn.Module | None) -> list[torch.nn.Module]:
+    if module is None:
+        module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
         if not isinstance(module, torch.nn.Module):
             return _UNKNOWN_MODULES
     found: list[torch.nn.Module] = [module] if _has_running_stats(module) else []
@@ -572,7 +572,7 @@ def _check_recomputed(frame: _Frame, pack: _RecomputePack) -> None:
     try:
         if pack.count != pack.expected:
             raise CheckpointError(
-                f"vision_ckpt.checkpoint: region {_region_name(frame.fn)} saved {pack.expected} "
+                f"vision_ckpt.checkpoint: region {_region_name(frame)} saved {pack.expected} "
                 f"tensors for backward in its original forward but {pack.count} when recomputed "
                 f"for backward. The region ran different operations the second time. {_FIX_TIP}"
             )
@@ -588,7 +588,7 @@ def _check_recomputed(frame: _Frame, pack: _RecomputePack) -> None:
                 differences.append(_describe_difference(index, before, now))
         if differences:
             raise CheckpointError(
-                f"vision_ckpt.checkpoint: region {_region_name(frame.fn)} recomputed tensors "
+                f"vision_ckpt.checkpoint: region {_region_name(frame)} recomputed tensors "
                 "that differ from the ones its original forward saved:\n  "
                 + "\n  ".join(differences)
                 + f"\n{_FIX_TIP}"
@@ -609,29 +609,28 @@ def _describe_difference(index: int, before: tuple[Any, ...], now: tuple[Any, ..
     return f"saved tensor #{index}: " + ", ".join(parts)
 
 
-def _region_label(fn: Any) -> str:
-    """The plain name of a checkpointed callable: its ``__vision_ckpt_region__`` if it has one,
-    else the module's class, ``Class.method`` for a module's bound method (also inside a
-    ``functools.partial``), or the function's qualified name."""
-    name = getattr(fn, "__vision_ckpt_region__", None)
-    if isinstance(name, str):
-        return name
+def region_label(fn: Any) -> str:
+    """The plain name of a checkpointed callable: the module's class, ``Class.method`` for a
+    module's bound method (also inside a ``functools.partial``), or the function's qualified
+    name."""
     if isinstance(fn, torch.nn.Module):
         return type(fn).__name__
     inner = getattr(fn, "func", None)  # functools.partial
     if inner is not None and callable(inner):
-        return _region_label(inner)
+        return region_label(inner)
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, torch.nn.Module):
         return f"{type(owner).__name__}.{getattr(fn, '__name__', 'forward')}"
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
-def _region_name(fn: Any) -> str:
-    """The region as error messages quote it: ``'Block' (module)``, ``'Block.forward'``."""
-    text = repr(_region_label(fn))
-    named = isinstance(getattr(fn, "__vision_ckpt_region__", None), str)
-    if isinstance(fn, torch.nn.Module) and not named:
+def _region_name(frame: _Frame) -> str:
+    """The region as error messages quote it: ``'blocks.3'`` (a label its caller gave),
+    ``'Block' (module)``, ``'Block.forward'``."""
+    if frame.label is not None:
+        return repr(frame.label)
+    text = repr(region_label(frame.fn))
+    if isinstance(frame.fn, torch.nn.Module):
         text += " (module)"
     return text
 
@@ -745,6 +744,62 @@ def checkpoint(
     >>> x.grad.shape
     torch.Size([4, 8])
     """
+    return _run(
+        function,
+        args,
+        kwargs,
+        None,
+        None,
+        use_reentrant,
+        preserve_rng_state,
+        context_fn,
+        determinism_check,
+        debug,
+        early_stop,
+    )
+
+
+def checkpoint_region(
+    function: Callable[..., Any],
+    *args: Any,
+    module: torch.nn.Module | None,
+    label: str,
+    preserve_rng_state: bool = True,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """:func:`checkpoint` for vision_ckpt's own callers (the wrapper and installed forwards),
+    which know what the region is. ``module``: the module whose BatchNorm statistics the
+    recomputation must not update again (NOTE [ Stateful modules during recomputation ]);
+    ``label``: the name errors quote (``'blocks.3'``, ``'blocks[0:4]'``)."""
+    return _run(
+        function,
+        args,
+        kwargs,
+        module,
+        label,
+        None,
+        preserve_rng_state,
+        context_fn,
+        "default",
+        False,
+        True,
+    )
+
+
+def _run(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    module: torch.nn.Module | None,
+    label: str | None,
+    use_reentrant: bool | None,
+    preserve_rng_state: bool,
+    context_fn: Callable[[], tuple[Any, Any]] | None,
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+) -> Any:
     if torch.compiler.is_compiling() or _proxy_tracing():
         # Under torch.compile / export tracing, hand the region to torch's own non-reentrant
         # checkpoint, which dynamo and AOTAutograd understand as a higher-order op.
@@ -776,6 +831,7 @@ def checkpoint(
 
     frame = _Frame()
     frame.fn = function
+    frame.label = label
     # NOTE [ Inputs are captured at call time ]
     # Tensor arguments are kept as SavedVariables (so enclosing regions and user hooks see them,
     # and in-place changes after the call are detected), and every list/tuple/dict around them is
@@ -820,7 +876,7 @@ def checkpoint(
     frame.autocast = _capture_autocast(device_type)
     cuda_was_initialized = getattr(torch.cuda, "_initialized", False)
     frame.rng = _stash_rng(tensors) if preserve_rng_state else None
-    frame.batchnorms = _region_batchnorms(function)
+    frame.batchnorms = _region_batchnorms(function, module)
     frame.device_ctx = _default_device() if torch._C._len_torch_function_stack() else None
 
     forward_ctx = recompute_ctx = None
@@ -876,7 +932,7 @@ def checkpoint(
     if not finished:  # the forward context swallowed an exception raised by the region
         raise CheckpointError(
             f"vision_ckpt.checkpoint: the forward context from context_fn suppressed an exception "
-            f"raised inside region {_region_name(function)}; checkpoint has no output to return. "
+            f"raised inside region {_region_name(frame)}; checkpoint has no output to return. "
             "Let the exception propagate from the context manager."
         )
     frame.forward_done = True
@@ -886,7 +942,7 @@ def checkpoint(
         and getattr(torch.cuda, "_initialized", False)
     ):
         raise CheckpointError(
-            f"vision_ckpt.checkpoint: region {_region_name(function)} initialised CUDA during its "
+            f"vision_ckpt.checkpoint: region {_region_name(frame)} initialised CUDA during its "
             "forward, so its CUDA RNG state could not be stashed for the recomputation. "
             "Initialise CUDA before the call (e.g. move the inputs to the GPU first), or pass "
             "preserve_rng_state=False if the region draws no random numbers on the GPU."

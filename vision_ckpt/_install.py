@@ -33,21 +33,17 @@ class _ModuleForward:
     def __init__(self, module: nn.Module, name: str, original: Callable[..., Any] | None) -> None:
         self._module = weakref.ref(module)
         self.original = original  # an instance-level forward that was already there, if any
-        self.__vision_ckpt_region__ = name or type(module).__name__
+        self.name = name or type(module).__name__
 
     @property
     def module(self) -> nn.Module:
         module = self._module()
         if module is None:  # only reachable through a stray reference to this object
             raise ConfigError(
-                f"the module {self.__vision_ckpt_region__!r} this checkpointed forward belonged "
+                f"the module {self.name!r} this checkpointed forward belonged "
                 "to no longer exists; call the module, not its saved forward."
             )
         return module
-
-    @property
-    def __vision_ckpt_module__(self) -> nn.Module:
-        return self.module
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -83,8 +79,8 @@ class CheckpointedForward:
         if not self.policy.rungs or not run.module.training or not torch.is_grad_enabled():
             return run(*args, **kwargs)
         if self.segmented and len(args) == 1 and not kwargs:
-            return run_segments(self.policy, run.module, run, run.__vision_ckpt_region__, args[0])
-        return run_policy(self.policy, run, args, kwargs)
+            return run_segments(self.policy, run.module, run, run.name, args[0])
+        return run_policy(self.policy, run, args, kwargs, module=run.module, label=run.name)
 
     def __repr__(self) -> str:
         policy = self.policy
@@ -94,7 +90,7 @@ class CheckpointedForward:
             for r in policy.rungs
         )
         return (
-            f"<checkpointed forward of {self.run.__vision_ckpt_region__!r}: {rungs or 'never'}, "
+            f"<checkpointed forward of {self.run.name!r}: {rungs or 'never'}, "
             f"training_level={'global' if pinned is None else int(pinned)}, "
             f"nesting={policy.nesting!r}>"
         )

@@ -23,8 +23,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from ._install import installed, reinstall
 from ._memory import count_saved_bytes, track_peak_memory
-from .apply import _installed, _reinstall, apply as _apply_config
+from .apply import apply as _apply_config
 from .config import CheckpointConfig
 from .errors import VisionCkptError
 
@@ -174,12 +175,12 @@ def following_global(config: CheckpointConfig | None) -> CheckpointConfig:
 def applied(model: torch.nn.Module, config: CheckpointConfig) -> Iterator[Any]:
     """Apply ``config`` for the duration of the block (yielding its plan), then put back
     whatever checkpointing the user had applied before (or none)."""
-    before = _installed(model)
+    before = installed(model)
     plan = _apply_config(model, config)
     try:
         yield plan
     finally:
-        _reinstall(model, before)
+        reinstall(model, before)
 
 
 @contextlib.contextmanager

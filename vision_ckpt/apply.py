@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from ._install import install, installed as _installed, reinstall as _reinstall, uninstall  # noqa: F401 (profile.py, until it imports _install)
+from ._install import install, uninstall
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
 from .levels import Level, is_group, parse_level

@@ -2,7 +2,7 @@
 
 User errors (bad input, bad config, a checkpointed function that behaves differently when it is
 recomputed) derive from :class:`VisionCkptError`. Broken internal invariants go through
-:func:`_internal_assert`, which raises :class:`VisionCkptInternalError`: that one means a bug in
+:func:`internal_assert`, which raises :class:`VisionCkptInternalError`: that one means a bug in
 vision_ckpt, never in the caller's code.
 
 This module imports nothing from the package (nor torch), so every other module may import it.
@@ -39,7 +39,7 @@ class VisionCkptInternalError(AssertionError):
     """An invariant of vision_ckpt itself was broken: a bug in vision_ckpt, please report it."""
 
 
-def _internal_assert(cond: bool, what: str) -> None:
+def internal_assert(cond: bool, what: str) -> None:
     if not cond:
         raise VisionCkptInternalError(
             f"vision_ckpt internal error: {what}. This is a bug in vision_ckpt, not in your code; "

@@ -26,7 +26,7 @@ loss = model(x)`` followed by ``loss.backward()`` outside the block recomputes a
 outside it. So each checkpointed region runs its code under the ambient training level captured
 when it was called (a thread-local override, see ``_RunAtLevel``), and wrappers that follow the
 global level read that override first. The same holds for ``nesting="outermost"``: it asks the
-core how many regions are running (``_core._region_depth()``), which the core defines to be the
+core how many regions are running (``_core.region_depth()``), which the core defines to be the
 same in forward and in recomputation.
 
 # NOTE [ Nesting ]
@@ -181,11 +181,7 @@ def _check_nesting(nesting: object) -> Nesting:
 
 class _RunAtLevel:
     """The function given to the core: runs ``fn`` under the ambient level captured at call time,
-    and tells regions inside it whether they run inside a group (NOTE [ Nesting ]).
-
-    It also tells the core which module the region is (for its name in errors and for the
-    BatchNorm guard), since the core no longer sees ``fn`` itself.
-    """
+    and tells regions inside it whether they run inside a group (NOTE [ Nesting ])."""
 
     __slots__ = ("fn", "level", "group")
 
@@ -202,20 +198,6 @@ class _RunAtLevel:
             return self.fn(*args, **kwargs)
         finally:
             region.level, region.group = previous
-
-    @property
-    def __vision_ckpt_module__(self) -> nn.Module | None:
-        fn = self.fn
-        if isinstance(fn, nn.Module):
-            return fn
-        module = getattr(fn, "__vision_ckpt_module__", None)
-        if module is None:
-            module = getattr(fn, "__self__", None)
-        return module if isinstance(module, nn.Module) else None
-
-    @property
-    def __vision_ckpt_region__(self) -> str:
-        return _core._region_label(self.fn)
 
 
 _reentrant_warned = False
@@ -407,7 +389,7 @@ def choose_rung(policy: Policy) -> Rung | None:
             break
         if rung.until is None or limit < rung.until:
             chosen = rung
-    if chosen is None or _core._region_depth() == 0:
+    if chosen is None or _core.region_depth() == 0:
         return chosen
     nesting = policy.nesting
     if nesting == "all" or region.group:
@@ -423,10 +405,15 @@ def run_policy(
     args: Sequence[Any],
     kwargs: dict[str, Any],
     use_reentrant: bool = False,
+    *,
+    module: nn.Module | None = None,
+    label: str | None = None,
 ) -> Any:
     """Call ``fn(*args, **kwargs)``, checkpointed as ``policy`` decides (training and grad mode
-    already checked by the caller). ``fn`` runs as one region; see :func:`run_segments` for a
-    stack of layers."""
+    already checked by the caller). ``fn`` runs as one region, which is ``module`` (whose
+    BatchNorm statistics the core guards) and is called ``label`` in errors; both default to
+    what ``fn`` itself shows (a module, or a module's bound method). See :func:`run_segments`
+    for a stack of layers."""
     rung = choose_rung(policy)
     if rung is None:
         return fn(*args, **kwargs)
@@ -444,11 +431,18 @@ def run_policy(
                 "context_fn / selective setting."
             )
         return _reentrant_checkpoint(region, args, kwargs, policy.preserve_rng_state)
-    return _core.checkpoint(
+    if module is None:
+        owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+        module = owner if isinstance(owner, nn.Module) else None
+    if label is None:
+        label = _core.region_label(fn)
+    return _core.checkpoint_region(
         region,
         *args,
+        module=module,
+        label=label,
         preserve_rng_state=policy.preserve_rng_state,
-        context_fn=_bind_region(rung.context_fn, fn),
+        context_fn=_bind_region(rung.context_fn, label),
         **kwargs,
     )
 
@@ -465,14 +459,12 @@ def segment_size(rung: Rung, n: int) -> int:
 
 
 class _Segment:
-    """Layers ``start:stop`` of a stack, called in order: one region of a segmented stack."""
+    """Some consecutive layers of a stack, called in order: one region of a segmented stack."""
 
-    __slots__ = ("layers", "__vision_ckpt_module__", "__vision_ckpt_region__")
+    __slots__ = ("layers",)
 
-    def __init__(self, stack: nn.Module, layers: list[nn.Module], label: str) -> None:
+    def __init__(self, layers: list[nn.Module]) -> None:
         self.layers = layers
-        self.__vision_ckpt_module__ = stack
-        self.__vision_ckpt_region__ = label
 
     def __call__(self, x: Any) -> Any:
         for layer in self.layers:
@@ -488,19 +480,21 @@ def run_segments(
     runs ``whole`` (the stack's forward) as :func:`run_policy` does."""
     rung = choose_rung(policy)
     if rung is None or rung.segments is None:
-        return run_policy(policy, whole, (x,), {})
+        return run_policy(policy, whole, (x,), {}, module=stack, label=label)
     layers = list(stack)
     size = segment_size(rung, len(layers))
     ambient = _region.level
     if ambient is None:
         ambient = _training_level
     for start in range(0, len(layers), size):
-        part = _Segment(stack, layers[start : start + size], f"{label}[{start}:{start + size}]")
-        x = _core.checkpoint(
-            _RunAtLevel(part, ambient, True),
+        part_label = f"{label}[{start}:{start + size}]"
+        x = _core.checkpoint_region(
+            _RunAtLevel(_Segment(layers[start : start + size]), ambient, True),
             x,
+            module=stack,
+            label=part_label,
             preserve_rng_state=policy.preserve_rng_state,
-            context_fn=_bind_region(rung.context_fn, part),
+            context_fn=_bind_region(rung.context_fn, part_label),
         )
     return x
 
@@ -740,10 +734,10 @@ def _op_name(packet: Any) -> str:
     return qualified.replace("::", ".") if isinstance(qualified, str) else str(packet)
 
 
-def _bind_region(context_fn: Any, fn: Any) -> Any:
+def _bind_region(context_fn: Any, label: str) -> Any:
     """A :class:`SaveOps` told which region it serves (for its warning); others unchanged."""
     if isinstance(context_fn, SaveOps):
-        return functools.partial(context_fn, _core._region_label(fn))
+        return functools.partial(context_fn, label)
     return context_fn
 
 
