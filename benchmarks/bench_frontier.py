@@ -160,9 +160,26 @@ def _make_variants(
             raise SystemExit(f"unknown variant {v!r}; allowed: L0-L5, L3all-L5all, timm")
     if compile_ and name in COMPILE_MODELS:
         for v, budget in COMPILE_VARIANTS.items():
-            m = torch.compile(copy.deepcopy(model))
+            m = torch.compile(copy.deepcopy(model), backend=_inductor_with_budget(budget))
             out.append(_Variant(v, m, 0, budget))
     return out
+
+
+def _inductor_with_budget(budget: float):
+    """An inductor backend that partitions the backward under ``budget``. One backend object
+    per budget: dynamo guards on the backend, so copies of the same model class compiled for
+    different budgets do not share a compiled graph (with parameters as graph inputs they
+    would), and the AOT autograd cache is off so no earlier partition is reused."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        with torch._functorch.config.patch(
+            activation_memory_budget=budget, enable_autograd_cache=False
+        ):
+            return compile_fx(gm, example_inputs)
+
+    backend.__name__ = f"inductor_budget_{budget}"
+    return backend
 
 
 def bench_model(
