@@ -28,7 +28,7 @@ from torch import nn
 from ._install import install, uninstall
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
-from .levels import Level, is_group, parse_level
+from .levels import Level, is_checkpointed, is_group, parse_level
 from .matching import ModuleMatcher, qualified_class_name
 from .wrapper import HEAVY_OPS, Policy, Rung, SaveOps, get_training_level
 
@@ -98,7 +98,7 @@ class PlanEntry:
         """The rung that applies at training ``level``: the highest one within it."""
         chosen = None
         for rung in self.rungs:
-            if rung.level > level:
+            if not is_checkpointed(rung.level, level):
                 break
             if rung.until is None or level < rung.until:
                 chosen = rung

@@ -75,7 +75,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import _core
 from .errors import ConfigError
-from .levels import NESTING_MODES, Level, Nesting, is_group, parse_level
+from .levels import NESTING_MODES, Level, Nesting, is_checkpointed, is_group, parse_level
 
 __all__ = [
     "ActivationCheckpointing",
@@ -385,7 +385,7 @@ def choose_rung(policy: Policy) -> Rung | None:
     limit = ambient if pinned is None else pinned
     chosen = None
     for rung in policy.rungs:
-        if rung.level > limit:
+        if not is_checkpointed(rung.level, limit):
             break
         if rung.until is None or limit < rung.until:
             chosen = rung
