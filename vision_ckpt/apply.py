@@ -28,9 +28,9 @@ from torch import nn
 from ._install import install, uninstall
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
-from .levels import Level, is_checkpointed, is_group, parse_level
+from .levels import Level, is_group, parse_level
 from .matching import ModuleMatcher, qualified_class_name
-from .wrapper import HEAVY_OPS, Policy, Rung, SaveOps, get_training_level
+from .wrapper import HEAVY_OPS, Policy, Rung, SaveOps, get_training_level, rung_within
 
 __all__ = ["PlanEntry", "PlannedRung", "CheckpointPlan", "plan", "apply", "remove", "apply_preset"]
 
@@ -96,13 +96,7 @@ class PlanEntry:
 
     def rung_at(self, level: int) -> PlannedRung | None:
         """The rung that applies at training ``level``: the highest one within it."""
-        chosen = None
-        for rung in self.rungs:
-            if not is_checkpointed(rung.level, level):
-                break
-            if rung.until is None or level < rung.until:
-                chosen = rung
-        return chosen
+        return rung_within(self.rungs, level)
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -370,6 +370,23 @@ class Policy:
     regions: at those it is recomputed like a group (NOTE [ Nesting ])."""
 
 
+RungT = TypeVar("RungT")
+
+
+def rung_within(rungs: Sequence[RungT], level: int) -> RungT | None:
+    """Of ``rungs`` (by increasing level, each with ``level`` and ``until``), the one that
+    applies at training ``level``: the highest within it, skipping a selective rung past its
+    ``until`` (NOTE [ Selective regions step aside ])."""
+    chosen = None
+    for rung in rungs:
+        if not is_checkpointed(rung.level, level):  # type: ignore[attr-defined]
+            break
+        until = rung.until  # type: ignore[attr-defined]
+        if until is None or level < until:
+            chosen = rung
+    return chosen
+
+
 def choose_rung(policy: Policy) -> Rung | None:
     """The rung to checkpoint with now, or ``None`` to call the function directly.
 
@@ -382,13 +399,7 @@ def choose_rung(policy: Policy) -> Rung | None:
     if ambient is None:
         ambient = _training_level
     pinned = policy.training_level
-    limit = ambient if pinned is None else pinned
-    chosen = None
-    for rung in policy.rungs:
-        if not is_checkpointed(rung.level, limit):
-            break
-        if rung.until is None or limit < rung.until:
-            chosen = rung
+    chosen = rung_within(policy.rungs, ambient if pinned is None else pinned)
     if chosen is None or _core.region_depth() == 0:
         return chosen
     nesting = policy.nesting
