@@ -404,25 +404,34 @@ def _step_aside(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
 def _holds_several(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
     """Give every entry the training levels at which two or more fully checkpointed entries
     sit directly inside it (no eligible entry between them)."""
-    out = []
-    for e in entries:
-        levels = set()
-        for level in range(1, 6):
-            if e.rung_at(level) is None:
+    holds: dict[str, set[int]] = {}
+    for level in range(1, 6):
+        rungs = {e.name: r for e in entries if (r := e.rung_at(level)) is not None}
+        count: dict[str, int] = {}
+        for name, rung in rungs.items():
+            if rung.strategy != "full":
                 continue
-            eligible = [o.name for o in entries if o.rung_at(level) is not None]
-            inner_full = [
-                o
-                for o in entries
-                if _is_ancestor(e.name, o.name)
-                and (rung := o.rung_at(level)) is not None
-                and rung.strategy == "full"
-                and not any(_is_ancestor(m, o.name) and _is_ancestor(e.name, m) for m in eligible)
-            ]
-            if len(inner_full) >= 2:
-                levels.add(level)
-        out.append(replace(e, holds_several=frozenset(levels)) if levels else e)
-    return tuple(out)
+            parent = _nearest(name, rungs)
+            if parent is not None:
+                count[parent] = count.get(parent, 0) + 1
+        for parent, n in count.items():
+            if n >= 2:
+                holds.setdefault(parent, set()).add(level)
+    return tuple(
+        replace(e, holds_several=frozenset(holds[e.name])) if e.name in holds else e
+        for e in entries
+    )
+
+
+def _nearest(name: str, among: Mapping[str, Any]) -> str | None:
+    """The deepest proper ancestor of module ``name`` that is a key of ``among`` (``""``, the
+    model, included)."""
+    parts = name.split(".") if name else []
+    for depth in range(len(parts) - 1, -1, -1):
+        candidate = ".".join(parts[:depth])
+        if candidate in among:
+            return candidate
+    return None
 
 
 def _check_segments(model: nn.Module, rule: LevelRule, origin: str, names: list[str]) -> None:
