@@ -18,35 +18,22 @@ core; the few heaviest are marked ``slow``.
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import timm
 import torch
+from _family_check import Case, check_case
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import vision_ckpt
-from vision_ckpt._memory import count_saved_bytes
-from vision_ckpt.apply import apply, plan, remove
+from vision_ckpt.apply import plan
 from vision_ckpt.config import CheckpointConfig
-from vision_ckpt.presets import list_presets, preset_for_model
+from vision_ckpt.presets import list_presets
 
 LEVELS = range(6)
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    make: Callable[[], nn.Module]
-    size: int
-    preset: str | None
-    """The preset the model must resolve to; ``None``: it takes the fallback."""
-    slow: bool = False
 
 
 def _timm(name: str, size: int | None = None, **kwargs: Any) -> Callable[[], nn.Module]:
@@ -238,110 +225,24 @@ def _global_level_off():
     vision_ckpt.set_training_level(0)
 
 
-def _step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-    """One training step from a fixed seed: output, gradients, buffers, saved bytes, FLOPs."""
-    torch.manual_seed(1234)
-    with count_saved_bytes() as saved:
-        out = model(x)
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    loss = out.float().square().mean()
-    with FlopCounterMode(display=False) as flops:
-        loss.backward()
-    return {
-        "out": out.detach(),
-        "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
-        "buffers": {n: b.clone() for n, b in model.named_buffers()},
-        "saved": saved.nbytes,
-        "flops": flops.get_total_flops(),
-    }
-
-
-def _assert_same(got: dict[str, Any], ref: dict[str, Any], level: int) -> None:
-    where = f"level {level}"
-    torch.testing.assert_close(got["out"], ref["out"], rtol=0, atol=0, msg=f"{where}: output")
-    assert got["grads"].keys() == ref["grads"].keys(), f"{where}: gradients of other parameters"
-    for name, grad in ref["grads"].items():
-        torch.testing.assert_close(
-            got["grads"][name], grad, rtol=0, atol=0, msg=lambda m, n=name: f"{where}: {n}: {m}"
-        )
-    for name, buf in ref["buffers"].items():
-        torch.testing.assert_close(
-            got["buffers"][name], buf, rtol=0, atol=0, msg=lambda m, n=name: f"{where}: {n}: {m}"
-        )
-
-
-def _check_case(case: Case, core_calls: list[Any]) -> None:
-    torch.manual_seed(0)
-    base = case.make().train()
-    assert preset_for_model(base) == case.preset
-    x = torch.randn(2, 3, case.size, case.size)
-    ref = _step(copy.deepcopy(base), x)
-    keys = list(base.state_dict())
-
-    saved, flops, counts, selective = [], [], [], []
-    for level in LEVELS:
-        model = copy.deepcopy(base)
-        applied = apply(model, CheckpointConfig(training_checkpoint_level=level, preset="auto"))
-        if case.preset is None:
-            assert {e.origin for e in applied} == {"fallback"}
-        else:
-            assert all(e.origin.startswith(f"preset {case.preset} #") for e in applied)
-        assert list(model.state_dict()) == keys
-        selective.append(
-            any(e.rung_at(level).strategy == "selective" for e in applied if e.checkpointed)
-        )
-        del core_calls[:]
-        got = _step(model, x)
-        counts.append(len(core_calls))
-        _assert_same(got, ref, level)
-        saved.append(got["saved"])
-        flops.append(got["flops"])
-        if level == max(LEVELS):
-            model.eval()
-            del core_calls[:]
-            with torch.no_grad():
-                model(x)
-            model(x)
-            assert core_calls == [], "eval mode must not checkpoint"
-            assert remove(model) > 0
-    assert counts[0] == 0, "training level 0 must not checkpoint"
-    assert counts[-1] > 0
-    # Within each kind of level (selective ones; level 0 and the full ones) a higher level keeps
-    # no more and recomputes no less. Across kinds the order is the model's: a stage-wide
-    # selective level can keep less than per-block full checkpoints (their inputs) on a tiny
-    # config, for far less recomputation. Every level keeps at most level 0's bytes, and the top
-    # level keeps the least and recomputes the most.
-    for kind in (True, False):
-        levels = [lv for lv in LEVELS if selective[lv] == kind]
-        kept = [saved[lv] for lv in levels]
-        work = [flops[lv] for lv in levels]
-        assert all(a >= b for a, b in zip(kept, kept[1:], strict=False)), (
-            f"saved bytes by level: {saved} (selective: {selective})"
-        )
-        # 1%: with nesting auto a level-3 region recomputes its body once, which can be a hair
-        # less than what the level-2 regions inside it redid (0.02% on efficientvit_b0).
-        assert all(a <= b * 1.01 for a, b in zip(work, work[1:], strict=False)), (
-            f"backward FLOPs by level: {flops} (selective: {selective})"
-        )
-    assert all(s <= saved[0] for s in saved), f"saved bytes by level: {saved}"
-    assert saved[-1] < saved[0] and saved[-1] == min(saved), f"saved bytes by level: {saved}"
-    assert all(f >= flops[0] for f in flops), f"backward FLOPs by level: {flops}"
-    assert flops[-1] > flops[0] and flops[-1] == max(flops), f"backward FLOPs by level: {flops}"
-
-
 @pytest.mark.parametrize("case", _params(FAMILIES))
 def test_family_preset(case: Case, core_calls: list[Any]) -> None:
-    _check_case(case, core_calls)
+    check_case(case, core_calls)
 
 
 @pytest.mark.parametrize("case", _params(ZOO))
 def test_zoo(case: Case, core_calls: list[Any]) -> None:
-    _check_case(case, core_calls)
+    check_case(case, core_calls)
+
+
+# Presets for other libraries (Hugging Face, smp, MONAI, torchvision segmentation) have their
+# family models in their own test files, which check their prefix the same way.
+OTHER_LIBRARIES = ("hf_", "smp_", "monai_", "tvseg_")
 
 
 def test_every_preset_has_a_family_model() -> None:
-    assert {c.preset for c in FAMILIES} == set(list_presets())
+    timm_and_tv = {p for p in list_presets() if not p.startswith(OTHER_LIBRARIES)}
+    assert {c.preset for c in FAMILIES} == timm_and_tv
 
 
 def test_zoo_is_30_timm_architectures() -> None:
