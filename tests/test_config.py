@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from vision_ckpt import CheckpointConfig, ConfigError, Level, LevelRule, SelectiveConfig
-from vision_ckpt.config import parse_memory_budget
+from vision_ckpt.config import PresetFamily, PresetFile, parse_memory_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 # configs/train/ holds training-run configs (examples/_train_config.py validates them in
@@ -22,15 +22,21 @@ CONFIG_FILES = sorted(
     if p.suffix.lower() in (".yaml", ".yml", ".json")
     and p.relative_to(ROOT / "configs").parts[0] != "train"
 )
-SCHEMAS: list[type[BaseModel]] = [CheckpointConfig, LevelRule, SelectiveConfig]
-# A rule without a level says nothing, so LevelRule.level is the one field with no default.
-REQUIRED = {("LevelRule", "level")}
+SCHEMAS: list[type[BaseModel]] = [
+    CheckpointConfig,
+    LevelRule,
+    SelectiveConfig,
+    PresetFamily,
+    PresetFile,
+]
+# A rule without a level says nothing, nor a preset without rules: the fields with no default.
+REQUIRED = {("LevelRule", "level"), ("PresetFile", "rules")}
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_shipped_config_validates(path: Path) -> None:
-    cfg = CheckpointConfig.from_file(path)
-    assert isinstance(cfg, CheckpointConfig)
+    schema = PresetFile if path.parent.name == "presets" else CheckpointConfig
+    assert isinstance(schema.from_file(path), schema)
 
 
 def test_config_files_exist() -> None:

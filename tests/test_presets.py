@@ -16,14 +16,15 @@ import torch
 import torchvision.models as tvm
 from torch import nn
 
-from vision_ckpt import ConfigError, presets
+from vision_ckpt import ConfigError, PresetMismatchWarning, presets
 from vision_ckpt.apply import plan
-from vision_ckpt.config import CheckpointConfig, LevelRule
+from vision_ckpt.config import CheckpointConfig, LevelRule, PresetFile
 from vision_ckpt.matching import ModuleMatcher
 from vision_ckpt.presets import (
     fallback_rules,
     list_presets,
     load_preset,
+    preset_family,
     preset_for_model,
     preset_rules,
     register_preset,
@@ -116,17 +117,20 @@ def _selected(rule: LevelRule, model: nn.Module) -> list[str]:
 
 @pytest.mark.parametrize("path", PRESET_FILES, ids=[p.stem for p in PRESET_FILES])
 def test_preset_file_validates(path: Path) -> None:
-    cfg = CheckpointConfig.from_file(path)
-    assert cfg.preset is None, "a preset holds rules only"
-    assert cfg.rules, "a preset without rules says nothing"
-    assert cfg.training_checkpoint_level is None, "the run sets the training level, not a preset"
-    assert load_preset(path.stem) == cfg
+    preset = PresetFile.from_file(path)
+    assert preset.rules, "a preset without rules says nothing"
+    assert preset.family.classes or preset.family.architectures, "a preset names its models"
+    assert preset.family.written_for, "a preset says which library version it was read from"
+    assert load_preset(path.stem) == CheckpointConfig(rules=preset.rules)
+    assert preset_family(path.stem) == preset.family
 
 
 def test_every_file_is_listed_and_has_models() -> None:
     assert [p.stem for p in PRESET_FILES] != []
     assert set(list_presets()) >= {p.stem for p in PRESET_FILES}
-    assert set(FAMILY_MODELS) == {p.stem for p in PRESET_FILES}
+    # Presets for other libraries are checked against their models in their own test files.
+    others = ("hf_", "smp_", "monai_", "tvseg_")
+    assert set(FAMILY_MODELS) == {p.stem for p in PRESET_FILES if not p.stem.startswith(others)}
 
 
 @pytest.mark.parametrize("preset", sorted(FAMILY_MODELS))
@@ -231,6 +235,7 @@ def scratch_registry(monkeypatch):
     monkeypatch.setattr(presets, "_selectors", list(presets._selectors))
     monkeypatch.setattr(presets, "_registered", dict(presets._registered))
     monkeypatch.setattr(presets, "_cache", dict(presets._cache))
+    monkeypatch.setattr(presets, "_registered_families", dict(presets._registered_families))
 
 
 def test_equally_specific_presets_are_a_tie(scratch_registry) -> None:
@@ -429,3 +434,133 @@ def test_fallback_skips_units_that_start_in_place() -> None:
 def test_fallback_with_nothing_to_do_is_an_error() -> None:
     with pytest.raises(ConfigError, match=r"the fallback found nothing to checkpoint in Linear"):
         fallback_rules(nn.Linear(2, 2))
+
+
+# --- family headers: parts, and presets that no longer fit -----------------------------------
+
+
+class _SegNet(nn.Module):
+    """An encoder with a preset of its own (torchvision's ResNet) and a decoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = tvm.resnet18(num_classes=4)
+        self.decoder = nn.Sequential(
+            nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU()), nn.Sequential(nn.Conv2d(4, 2, 1))
+        )
+        self.head = nn.Sequential(nn.Linear(2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feats = self.encoder(x)[:, :, None, None]
+        return self.head(self.decoder(feats).flatten(1))
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "seg.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_parts_take_their_own_presets_under_their_names(scratch_registry, tmp_path) -> None:
+    path = _write(
+        tmp_path,
+        f"""
+family:
+  classes: [{__name__}._SegNet]
+  written_for: {{torchvision: "0.1"}}
+  parts: {{encoder: auto, neck: tv_resnet, head: mine}}
+rules:
+  - match: "decoder.*"
+    level: 3
+  - match: "decoder"
+    level: 5
+""",
+    )
+    register_preset("mine", CheckpointConfig(rules=[{"match": "re:\\d", "level": 1}]))
+    register_preset("segnet", path)  # the file names its class: no classes= needed
+    model = _SegNet()
+    assert preset_for_model(model) == "segnet"
+    rules = preset_rules(model, "auto")
+    encoder = [(r, o) for r, o in rules if o.startswith("preset segnet encoder: ")]
+    # every tv_resnet rule, in order, made to select under "encoder."; its class rule (the
+    # whole ResNet at level 5) selects the part itself, never a ResNet elsewhere
+    assert [o for _, o in encoder] == [
+        f"preset segnet encoder: preset tv_resnet #{i}" for i in range(5)
+    ]
+    assert [r.match for r, _ in encoder] == [
+        "encoder.maxpool",
+        "encoder.layer*.0.downsample",
+        "encoder.layer*.*",
+        "encoder.layer*",
+        "re:encoder(?:\\..+)?",
+    ]
+    # "neck" does not exist: skipped; a regex rule stays anchored under its part
+    head = ("re:head\\.(?:\\d)", "preset segnet head: preset mine #0")
+    assert (rules[-3][0].match, rules[-3][1]) == head
+    assert [o for _, o in rules[-2:]] == ["preset segnet #0", "preset segnet #1"]
+    entries = {e.name: int(e.level) for e in plan(model, {"preset": "auto"}).entries}
+    assert entries["encoder.layer1.0"] == 3 and entries["encoder.layer4"] == 4
+    assert entries["head.0"] == 1 and entries["decoder.1"] == 3 and entries["decoder"] == 5
+    assert entries["encoder"] == 5 and "encoder.fc" not in entries
+
+
+def test_a_part_class_rule_stays_inside_the_part(scratch_registry) -> None:
+    register_preset("lin", CheckpointConfig(rules=[{"match_type": "Linear", "level": 2}]))
+    register_preset(
+        "outer",
+        PresetFile(family={"parts": {"head": "lin"}}, rules=[{"match": "decoder", "level": 4}]),
+    )
+    model = nn.Sequential()
+    model.add_module("head", nn.Sequential(nn.Linear(2, 2)))
+    model.add_module("other", nn.Linear(2, 2))
+    model.add_module("decoder", nn.Sequential(nn.Linear(2, 2)))
+    entries = {e.name: int(e.level) for e in plan(model, {"preset": "outer"}).entries}
+    assert entries == {"head.0": 2, "decoder": 4}
+
+
+def test_a_level_of_the_preset_that_selects_nothing_is_reported(scratch_registry) -> None:
+    register_preset(
+        "old",
+        PresetFile(
+            family={"written_for": {"somelib": "1.2"}},
+            rules=[
+                {"match": "body", "level": 3},
+                {"match": "body.layer_renamed", "level": 2},
+                {"match": "body.other_renamed", "level": 2},
+            ],
+        ),
+    )
+    with pytest.warns(
+        PresetMismatchWarning,
+        match=r"preset 'old' leaves levels \[2\] empty on _TieNet: no module matches level 2: "
+        r"rules\[1\] \(match='body.layer_renamed' level=2\), rules\[2\] .*"
+        r"written for somelib 1.2; installed: somelib none",
+    ):
+        rules = preset_rules(_TieNet(), "old")
+    assert [o for _, o in rules] == ["preset old #0"]
+    # at the version it was written for, an empty level is the family's design (RegNetX has no
+    # SE modules): no warning
+    major_minor = ".".join(torch.__version__.split(".")[:2])
+    register_preset(
+        "same",
+        PresetFile(
+            family={"written_for": {"torch": major_minor}},
+            rules=[{"match": "body", "level": 3}, {"match": "body.layer_renamed", "level": 2}],
+        ),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(preset_rules(_TieNet(), "same")) == 1
+
+
+def test_a_preset_that_selects_nothing_names_its_versions(scratch_registry) -> None:
+    register_preset(
+        "gone",
+        PresetFile(family={"written_for": {"torch": "0.1"}}, rules=[{"match": "x", "level": 3}]),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"preset 'gone' selects no module of _TieNet \(top-level children: body\) "
+        r"\(the preset was written for torch 0.1; installed: torch 2\.",
+    ):
+        preset_rules(_TieNet(), "gone")

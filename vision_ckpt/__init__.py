@@ -41,6 +41,7 @@ from .errors import (
     CheckpointError as CheckpointError,
     ConfigError as ConfigError,
     LevelError as LevelError,
+    PresetMismatchWarning as PresetMismatchWarning,
     VisionCkptError as VisionCkptError,
     VisionCkptInternalError as VisionCkptInternalError,
 )
@@ -127,6 +128,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "LevelError",
+    "PresetMismatchWarning",
     "VisionCkptError",
     "VisionCkptInternalError",
     "Level",

@@ -51,7 +51,14 @@ from .errors import ConfigError, LevelError
 from .levels import Level, parse_level
 from .matching import compile_name_pattern, compile_type_pattern
 
-__all__ = ["CheckpointConfig", "LevelRule", "SelectiveConfig", "parse_memory_budget"]
+__all__ = [
+    "CheckpointConfig",
+    "LevelRule",
+    "PresetFamily",
+    "PresetFile",
+    "SelectiveConfig",
+    "parse_memory_budget",
+]
 
 Nesting = Literal["auto", "all", "outermost"]
 Strategy = Literal["full", "selective"]
@@ -144,6 +151,59 @@ class _Schema(BaseModel):
             return super().model_validate(obj, *args, **kwargs)
         except ValidationError as exc:
             raise _config_error(cls, exc, source=None) from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> typing.Self:
+        """Load and validate this model from a ``.yaml``, ``.yml`` or ``.json`` file.
+
+        Raises:
+            ConfigError: the file is missing, has another suffix, does not parse, or does not
+                validate; the message names the file and the offending keys.
+        """
+        path = Path(path)
+        suffix = path.suffix.lower()
+        if suffix not in (".yaml", ".yml", ".json"):
+            raise ConfigError(
+                f"config file {str(path)!r} has suffix {path.suffix!r}; allowed: .yaml, .yml, "
+                ".json. Rename it, or load it yourself and pass the dict to "
+                "CheckpointConfig.model_validate."
+            )
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist.") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                "save it as UTF-8."
+            ) from None
+        except OSError as exc:
+            raise ConfigError(
+                f"config file {str(path)!r} cannot be read: {exc.strerror or exc}."
+            ) from None
+        try:
+            if suffix == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except (ValueError, ImportError) as exc:  # json.JSONDecodeError is a ValueError
+            raise ConfigError(f"config file {str(path)!r} does not parse: {exc}") from None
+        except Exception as exc:  # yaml.YAMLError has no common base with the above
+            raise ConfigError(f"config file {str(path)!r} does not parse as YAML: {exc}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"config file {str(path)!r} holds a {type(data).__name__}, expected a mapping "
+                f"of config keys ({', '.join(cls.model_fields)})."
+            )
+        try:
+            # pydantic's own model_validate, to name the file in the error ourselves.
+            return BaseModel.model_validate.__func__(cls, data)  # type: ignore[attr-defined]
+        except ValidationError as exc:
+            raise _config_error(cls, exc, source=str(path)) from None
 
 
 class LevelRule(_Schema):
@@ -384,59 +444,6 @@ class CheckpointConfig(_Schema):
         return None if self.memory_budget is None else parse_memory_budget(self.memory_budget)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> CheckpointConfig:
-        """Load and validate a config from a ``.yaml``, ``.yml`` or ``.json`` file.
-
-        Raises:
-            ConfigError: the file is missing, has another suffix, does not parse, or does not
-                validate; the message names the file and the offending keys.
-        """
-        path = Path(path)
-        suffix = path.suffix.lower()
-        if suffix not in (".yaml", ".yml", ".json"):
-            raise ConfigError(
-                f"config file {str(path)!r} has suffix {path.suffix!r}; allowed: .yaml, .yml, "
-                ".json. Rename it, or load it yourself and pass the dict to "
-                "CheckpointConfig.model_validate."
-            )
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist.") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                "save it as UTF-8."
-            ) from None
-        except OSError as exc:
-            raise ConfigError(
-                f"config file {str(path)!r} cannot be read: {exc.strerror or exc}."
-            ) from None
-        try:
-            if suffix == ".json":
-                data = json.loads(text)
-            else:
-                import yaml
-
-                data = yaml.safe_load(text)
-        except (ValueError, ImportError) as exc:  # json.JSONDecodeError is a ValueError
-            raise ConfigError(f"config file {str(path)!r} does not parse: {exc}") from None
-        except Exception as exc:  # yaml.YAMLError has no common base with the above
-            raise ConfigError(f"config file {str(path)!r} does not parse as YAML: {exc}") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"config file {str(path)!r} holds a {type(data).__name__}, expected a mapping "
-                f"of config keys ({', '.join(cls.model_fields)})."
-            )
-        try:
-            # pydantic's own model_validate, to name the file in the error ourselves.
-            return BaseModel.model_validate.__func__(cls, data)  # type: ignore[attr-defined]
-        except ValidationError as exc:
-            raise _config_error(cls, exc, source=str(path)) from None
-
-    @classmethod
     def json_schema(cls) -> dict[str, Any]:
         """The JSON schema of config files, for editors and validators.
 
@@ -528,6 +535,56 @@ def _describe(root: type[BaseModel], err: Any) -> str:
         msg = msg[len("Value error, ") :]
         return f"{_loc_str(loc)}: {msg}"
     return f"{_loc_str(loc)}: {msg} (got {given!r})"
+
+
+class PresetFamily(_Schema):
+    """The models a preset is written for: the ``family:`` header of a preset file.
+
+    >>> fam = PresetFamily(classes=["timm.models.resnet.ResNet"], written_for={"timm": "1.0"})
+    >>> fam.classes, fam.parts
+    (('timm.models.resnet.ResNet',), {})
+    """
+
+    classes: tuple[str, ...] = ()
+    """Classes whose models resolve to this preset: qualified names
+    (``timm.models.resnet.ResNet``) keep two libraries' classes of one name apart. Subclasses
+    resolve to it too, unless a preset names them."""
+
+    architectures: tuple[tuple[str, str], ...] = ()
+    """``[class, pattern]`` pairs for classes that several families share: a model of ``class``
+    whose timm architecture name matches the ``fnmatch`` pattern (``vit_*_r50_*``) resolves to
+    this preset, ahead of a preset that names the class alone."""
+
+    written_for: dict[str, str] = {}
+    """Library distribution name -> the version whose module names the rules were read from
+    (``{transformers: "5.23"}``). Quoted when a preset no longer fits a model."""
+
+    parts: dict[str, str] = {}
+    """Submodule name -> preset applied under it (``encoder: auto``, ``backbone: tv_resnet``).
+    ``auto`` is the preset of the submodule's own class, or the structural fallback. The part's
+    rules are prefixed with its name and come before the preset's own rules; a part the model
+    lacks is skipped."""
+
+    @field_validator("classes")
+    @classmethod
+    def _check_classes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            compile_type_pattern(name)
+        return value
+
+
+class PresetFile(_Schema):
+    """A preset file: the family it is for, and its level rules (``configs/presets/*.yaml``).
+
+    >>> PresetFile(rules=[{"match": "blocks.*", "level": 3}]).family.classes
+    ()
+    """
+
+    family: PresetFamily = PresetFamily()
+    """Which models the preset is for, and what it was written against."""
+
+    rules: tuple[LevelRule, ...]
+    """The level rules, in the order they apply (later rules win)."""
 
 
 def _config_error(root: type[BaseModel], exc: ValidationError, source: str | None) -> ConfigError:

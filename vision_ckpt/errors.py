@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointError",
     "LevelError",
     "ConfigError",
+    "PresetMismatchWarning",
     "VisionCkptInternalError",
 ]
 
@@ -33,6 +34,11 @@ class LevelError(VisionCkptError, ValueError):
 
 class ConfigError(VisionCkptError, ValueError):
     """A checkpoint config, rule or preset that cannot be applied to the model at hand."""
+
+
+class PresetMismatchWarning(UserWarning):
+    """A preset fits the model only in part: a whole level of it selects no module (the model's
+    library renamed its modules, or the model is not of the preset's family)."""
 
 
 class VisionCkptInternalError(AssertionError):

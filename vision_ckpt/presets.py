@@ -41,15 +41,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import importlib.metadata
 import re
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
 
-from .config import CheckpointConfig, LevelRule
-from .errors import ConfigError
+from .config import CheckpointConfig, LevelRule, PresetFamily, PresetFile
+from .errors import ConfigError, PresetMismatchWarning
 from .levels import Level
 from .matching import (
     ModuleMatcher,
@@ -61,6 +63,7 @@ from .matching import (
 __all__ = [
     "list_presets",
     "load_preset",
+    "preset_family",
     "register_preset",
     "preset_for_model",
     "preset_rules",
@@ -113,37 +116,13 @@ class _Selector:
         return (1, sum(ch not in "*?[]" for ch in self.architecture))
 
 
-_TIMM = "timm.models."
-_TV = "torchvision.models."
-
-# Which classes (and, where a class is shared, which architectures) each shipped preset is for.
-# The rules themselves are data, in configs/presets/<name>.yaml.
-_SHIPPED_SELECTORS: tuple[tuple[str, str, str | None], ...] = (
-    ("vit", _TIMM + "vision_transformer.VisionTransformer", None),
-    ("vit_hybrid", _TIMM + "vision_transformer.VisionTransformer", "vit_*_r26_*"),
-    ("vit_hybrid", _TIMM + "vision_transformer.VisionTransformer", "vit_*_r50_*"),
-    ("vit_hybrid", _TIMM + "vision_transformer.VisionTransformer", "vit_*_resnet*"),
-    ("beit", _TIMM + "beit.Beit", None),
-    ("eva", _TIMM + "eva.Eva", None),
-    ("swin", _TIMM + "swin_transformer.SwinTransformer", None),
-    ("swin", _TIMM + "swin_transformer_v2.SwinTransformerV2", None),
-    ("convnext", _TIMM + "convnext.ConvNeXt", None),
-    ("resnet", _TIMM + "resnet.ResNet", None),
-    ("regnet", _TIMM + "regnet.RegNet", None),
-    ("densenet", _TIMM + "densenet.DenseNet", None),
-    ("efficientnet", _TIMM + "efficientnet.EfficientNet", None),
-    ("mobilenetv3", _TIMM + "mobilenetv3.MobileNetV3", None),
-    ("maxxvit", _TIMM + "maxxvit.MaxxVit", None),
-    ("pvt_v2", _TIMM + "pvt_v2.PyramidVisionTransformerV2", None),
-    ("tv_resnet", _TV + "resnet.ResNet", None),
-    ("tv_densenet", _TV + "densenet.DenseNet", None),
-    ("tv_swin", _TV + "swin_transformer.SwinTransformer", None),
-    ("tv_vit", _TV + "vision_transformer.VisionTransformer", None),
-)
-
-_selectors: list[_Selector] = [_Selector(*s) for s in _SHIPPED_SELECTORS]
+# Selectors of presets added with register_preset (the shipped presets name their classes in
+# their own files' family: header, read on first use).
+_selectors: list[_Selector] = []
 _registered: dict[str, CheckpointConfig | Path] = {}
-_cache: dict[str, CheckpointConfig] = {}
+_registered_families: dict[str, PresetFamily] = {}
+_cache: dict[str, tuple[CheckpointConfig, PresetFamily]] = {}
+_shipped: list[_Selector] | None = None
 
 
 def _normalise(name: str) -> str:
@@ -166,7 +145,7 @@ def _natural_key(text: str) -> list[Any]:
 
 def register_preset(
     name: str,
-    config: CheckpointConfig | str | Path,
+    config: CheckpointConfig | PresetFile | str | Path,
     *,
     classes: Iterable[str] = (),
     architectures: Iterable[tuple[str, str]] = (),
@@ -175,7 +154,9 @@ def register_preset(
 
     Args:
         name: the preset's name, as used in ``preset:`` and :func:`load_preset`.
-        config: a :class:`CheckpointConfig` holding the rules, or the path of a YAML/JSON file.
+        config: a :class:`CheckpointConfig` holding the rules, a
+            :class:`~vision_ckpt.config.PresetFile` (rules and a ``family:`` header: its classes
+            and parts), or the path of a preset file (YAML/JSON, with or without the header).
         classes: classes :func:`preset_for_model` resolves to this preset: class names, qualified
             (``mypkg.models.Net``) when they contain a dot.
         architectures: ``(class, pattern)`` pairs: models of ``class`` whose timm architecture
@@ -193,10 +174,20 @@ def register_preset(
     key = _normalise(name)
     if not key:
         raise ConfigError(f"preset name {name!r} is empty; give a name such as 'my_net'.")
-    if not isinstance(config, CheckpointConfig):
-        config = Path(config)
-    else:
+    family = PresetFamily()
+    _registered_families.pop(key, None)
+    if isinstance(config, PresetFile):
+        family = config.family
+        config = CheckpointConfig(rules=config.rules)
         _check_preset_config(key, config, source=None)
+        _registered_families[key] = family
+    elif isinstance(config, CheckpointConfig):
+        _check_preset_config(key, config, source=None)
+    else:
+        config = Path(config)
+        _, family = _read_preset_file(key, config)
+    classes = [*family.classes, *classes]
+    architectures = [*family.architectures, *architectures]
     for cls in classes:
         compile_type_pattern(cls)
         _selectors.append(_Selector(key, cls))
@@ -205,6 +196,25 @@ def register_preset(
         _selectors.append(_Selector(key, cls, pattern))
     _registered[key] = config
     _cache.pop(key, None)
+
+
+def _read_preset_file(name: str, path: Path) -> tuple[CheckpointConfig, PresetFamily]:
+    preset = PresetFile.from_file(path)
+    config = CheckpointConfig(rules=preset.rules)
+    _check_preset_config(name, config, source=str(path))
+    return config, preset.family
+
+
+def _shipped_selectors() -> list[_Selector]:
+    global _shipped
+    if _shipped is None:
+        found = []
+        for name in sorted(_shipped_files(), key=_natural_key):
+            family = _load(name)[1]
+            found += [_Selector(name, cls) for cls in family.classes]
+            found += [_Selector(name, cls, arch) for cls, arch in family.architectures]
+        _shipped = found
+    return _shipped
 
 
 def list_presets(filter: str | None = None) -> list[str]:
@@ -239,6 +249,20 @@ def load_preset(name: str) -> CheckpointConfig:
     ...
     vision_ckpt.errors.ConfigError: unknown preset 'swim'; did you mean 'swin'? ...
     """
+    return _load(name)[0]
+
+
+def preset_family(name: str) -> PresetFamily:
+    """The ``family:`` header of the preset called ``name``: its classes, the library versions
+    it was written for, its parts (see :class:`vision_ckpt.config.PresetFamily`).
+
+    >>> preset_family("resnet").classes
+    ('timm.models.resnet.ResNet',)
+    """
+    return _load(name)[1]
+
+
+def _load(name: str) -> tuple[CheckpointConfig, PresetFamily]:
     key = _normalise(name)
     if key in _cache:
         return _cache[key]
@@ -254,12 +278,11 @@ def load_preset(name: str) -> CheckpointConfig:
             "vision_ckpt.register_preset."
         )
     if isinstance(source, Path):
-        config = CheckpointConfig.from_file(source)
-        _check_preset_config(key, config, source=str(source))
+        loaded = _read_preset_file(key, source)
     else:
-        config = source
-    _cache[key] = config
-    return config
+        loaded = (source, _registered_families.get(key, PresetFamily()))
+    _cache[key] = loaded
+    return loaded
 
 
 def _check_preset_config(name: str, config: CheckpointConfig, source: str | None) -> None:
@@ -309,7 +332,7 @@ def preset_for_model(model: Any) -> str | None:
         qualified = f"{cls.__module__}.{cls.__qualname__}"
         applicable = [
             s
-            for s in _selectors
+            for s in (*_shipped_selectors(), *_selectors)
             if compile_type_pattern(s.cls)(cls.__name__, qualified)
             and (
                 s.architecture is None
@@ -377,13 +400,20 @@ def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
             return fallback_rules(model)
     else:
         name = _normalise(preset)
-    config = load_preset(name)
+    config, family = _load(name)
+    out: list[tuple[LevelRule, str]] = []
+    for part, part_preset in family.parts.items():
+        try:
+            submodule = model.get_submodule(part)
+        except AttributeError:
+            continue  # this member of the family has no such part
+        out += [
+            (_under(part, rule), f"preset {name} {part}: {origin}")
+            for rule, origin in preset_rules(submodule, part_preset)
+        ]
     modules = _named_modules(model)
-    out = [
-        (rule, f"preset {name} #{i}")
-        for i, rule in enumerate(config.rules)
-        if _selects_any(rule, modules)
-    ]
+    own = [(i, rule) for i, rule in enumerate(config.rules) if _selects_any(rule, modules)]
+    out += [(rule, f"preset {name} #{i}") for i, rule in own]
     if not out:
         children = ", ".join(n for n, _ in model.named_children()) or "(none)"
         suggestion = preset_for_model(model)
@@ -394,9 +424,88 @@ def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
         )
         raise ConfigError(
             f"preset {name!r} selects no module of {type(model).__name__} (top-level children: "
-            f"{children}); {hint}."
+            f"{children}){_written_for(family)}; {hint}."
         )
+    _warn_lost_levels(name, config, {i for i, _ in own}, family, type(model).__name__)
     return out
+
+
+def _under(part: str, rule: LevelRule) -> LevelRule:
+    """``rule`` of a part's preset, made to select the same modules under ``part``."""
+    prefix = re.escape(part)
+    if rule.match is None:  # a class rule: the part itself or anything below it
+        match = rf"re:{prefix}(?:\..+)?"
+    elif rule.match.startswith("re:"):
+        match = rf"re:{prefix}\.(?:{rule.match[3:]})"
+    elif all(re.fullmatch(r"[A-Za-z0-9_\-]+", p) for p in part.split(".")):
+        match = f"{part}.{rule.match}"
+    else:  # a part name a glob component cannot hold: translate the glob instead
+        match = rf"re:{prefix}\.(?:{_glob_regex(rule.match)})"
+    return rule.model_copy(update={"match": match})
+
+
+def _glob_regex(pattern: str) -> str:
+    parts = []
+    for component in pattern.split("."):
+        if component == "**":
+            parts.append(r"(?:[^.]+(?:\.[^.]+)*)")
+        else:
+            parts.append(fnmatch.translate(component).removeprefix("(?s:").removesuffix(r")\Z"))
+    return r"\.".join(parts)
+
+
+def _written_for(family: PresetFamily) -> str:
+    """`` (written for transformers 5.23; installed: 4.40)``, or nothing without a header."""
+    if not family.written_for:
+        return ""
+    wanted = ", ".join(f"{lib} {version}" for lib, version in family.written_for.items())
+    installed = ", ".join(f"{lib} {_installed_version(lib)}" for lib in family.written_for)
+    return f" (the preset was written for {wanted}; installed: {installed})"
+
+
+def _installed_version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def _same_release(wanted: str, installed: str) -> bool:
+    """Whether ``installed`` is the release ``wanted`` names: ``5.23`` covers ``5.23.1``."""
+    given = wanted.split(".")
+    return installed.split("+")[0].split(".")[: len(given)] == given
+
+
+def _warn_lost_levels(
+    name: str, config: CheckpointConfig, used: set[int], family: PresetFamily, model: str
+) -> None:
+    """Warn when every rule of one of the preset's levels selects nothing in this model while a
+    library the preset was written for is installed at another version: its module names have
+    probably changed. (At the version it was written for, a level can be empty by design: a
+    RegNetX has no SE modules; the tests check every rule against the family's models.)"""
+    if all(
+        _same_release(version, _installed_version(lib))
+        for lib, version in family.written_for.items()
+    ):
+        return
+    by_level: dict[int, list[int]] = {}
+    for i, rule in enumerate(config.rules):
+        by_level.setdefault(int(rule.level), []).append(i)
+    lost = {lv: rules for lv, rules in by_level.items() if not used.intersection(rules)}
+    if not lost:
+        return
+    described = "; ".join(
+        f"level {lv}: " + ", ".join(f"rules[{i}] ({config.rules[i]})" for i in rules)
+        for lv, rules in sorted(lost.items())
+    )
+    warnings.warn(
+        f"preset {name!r} leaves levels {sorted(lost)} empty on {model}: no module matches "
+        f"{described}{_written_for(family)}. Those levels checkpoint nothing beyond the levels "
+        "below them; if the library renamed its modules, write rules for the new names in your "
+        "config (rules: ...) or register a fixed preset.",
+        PresetMismatchWarning,
+        stacklevel=3,
+    )
 
 
 # --------------------------------------------------------------------------------------------
