@@ -34,16 +34,26 @@ LAYERS: list[set[str]] = [
     {"_search"},  # uniform levels -> _extrapolate, _measure, wrapper
     {"_planner"},  # per-block plans -> _search, _extrapolate, _measure, apply, _memory
     {"profile"},  # the public face of the four above
+    {"integrations", "integrations.lightning", "integrations.hf"},  # trainers, model libraries
     {"cli"},  # the only code that prints or exits
     {"__main__"},
 ]
 RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
 
 
+def _module_name(path: Path) -> str:
+    """``apply`` for vision_ckpt/apply.py, ``integrations.hf`` for a module of a subpackage,
+    ``integrations`` for the subpackage's ``__init__``."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if len(parts) > 1 and parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
 def _modules() -> dict[str, ast.Module]:
     return {
-        path.stem: ast.parse(path.read_text(), filename=str(path))
-        for path in sorted(PACKAGE.glob("*.py"))
+        _module_name(path): ast.parse(path.read_text(), filename=str(path))
+        for path in sorted(PACKAGE.rglob("*.py"))
     }
 
 
@@ -55,7 +65,7 @@ def _imported_module(node: ast.ImportFrom, alias: ast.alias | None = None) -> st
         if parts[0] != "vision_ckpt":
             return None
         parts = parts[1:]
-    elif node.level == 1:
+    elif node.level in (1, 2):  # level 2 only occurs in a subpackage: from ..apply import x
         parts = node.module.split(".") if node.module else []
     else:
         return None
