@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vision_ckpt"
 # package's face and may import anything; it is not in the table.)
 LAYERS: list[set[str]] = [
     {"errors", "_version", "_torch_floor"},
-    {"levels", "matching", "_memory"},  # levels, matching -> errors
+    {"levels", "matching", "_memory", "_optimise"},  # levels, matching -> errors; _optimise: none
     {"_core", "config"},  # _core -> errors; config -> errors, levels, matching (no torch)
     {"wrapper", "presets"},  # wrapper -> _core, levels; presets -> config, matching
     {"_install"},  # the install layer of issue 9: what apply puts on a model and takes off

@@ -159,7 +159,7 @@ def test_list_presets_natural_order_and_filter() -> None:
     names = list_presets()
     assert names == sorted(names, key=presets._natural_key)
     assert list_presets("tv_*") == ["tv_densenet", "tv_resnet", "tv_swin", "tv_vit"]
-    assert list_presets("*vit*") == ["maxxvit", "tv_vit", "vit", "vit_hybrid"]
+    assert list_presets("*vit*") == ["hf_vit", "maxxvit", "tv_vit", "vit", "vit_hybrid"]
     assert list_presets("nothing*") == []
 
 

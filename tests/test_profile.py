@@ -140,7 +140,8 @@ def test_plan_for_budget_fits_between_uniform_levels_and_checkpoints_less() -> N
     peak0 = _measured_peak(model, target, 0)
     peak5 = _measured_peak(model, target, 5)
     budget = (peak0 + peak5) // 2
-    result = plan_for_budget(model, example, budget, batch_size=8, margin=0.0)
+    # the default margin (5%) covers the extrapolation's error (under 1% here)
+    result = plan_for_budget(model, example, budget, batch_size=8)
     assert result.config is not None and result.blocks
     assert len(result.blocks) < len(result.candidates)
     vision_ckpt.apply(model, result.config)

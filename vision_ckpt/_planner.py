@@ -1,50 +1,112 @@
-"""The per-block planner: which blocks to checkpoint so a step fits a budget with the least
-recompute (:func:`plan_for_budget`).
+"""The per-block planner: a strategy for every block so a step fits a budget in the least time
+(:func:`plan_for_budget`).
 
-Uniform levels are coarse; the planner picks individual blocks instead. It ranks the candidate
-blocks by the bytes each keeps for backward per FLOP of its forward (the price of recomputing
-it), guesses a set from those figures, and corrects the guess by measuring it: see NOTE
-[ Choosing blocks for a budget ] below, and NOTE [ Measuring without the memory of the largest
-level ] in ``vision_ckpt.profile``.
+Uniform levels are coarse: a budget between two levels forces the costlier one on every block.
+The planner prices, for every candidate block, each way of running it (keep its activations,
+selective, full checkpoint, full with its inner regions checkpointed again) by the bytes it
+keeps and the *measured* time of the work it adds, then picks one per block with the dynamic
+program of ``vision_ckpt._optimise`` and checks the answer by measuring it: see NOTE [ Pricing
+the strategies of a block ] below and NOTE [ One strategy per block ] in ``_optimise``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._extrapolate import extrapolated_peak, peak_measurer, small_batches
-from ._measure import LossFn, Workload, applied, default_loss, following_global, model_restored
-from ._memory import count_saved_bytes
+from ._measure import (
+    LossFn,
+    Workload,
+    applied,
+    default_loss,
+    following_global,
+    measure_time,
+    model_restored,
+)
+from ._memory import count_saved_bytes, format_bytes
+from ._optimise import Block, Choice, Option, choose, predict
 from ._search import check_margin
 from .apply import plan as _plan
 from .config import CheckpointConfig, LevelRule, parse_memory_budget
 from .errors import ConfigError
 from .levels import Level
 from .matching import exact_name_pattern
-from .wrapper import training_level
+from .wrapper import HEAVY_OPS, SaveOps, training_level
 
-__all__ = ["BudgetPlan", "plan_for_budget"]
+__all__ = ["BudgetPlan", "plan_for_budget", "planner_frontier", "resolve_auto", "STRATEGIES"]
+
+STRATEGIES: tuple[str, ...] = ("keep", "selective", "full", "nested")
+"""The menu of a block: ``keep`` (no checkpoint), ``selective`` (keep the outputs of
+convolutions, matrix products and attention; recompute the rest), ``full`` (keep only the
+block's input), ``nested`` (full, and while the block is recomputed its inner regions of the
+plan are checkpointed again: less memory during its backward, for a second recomputation of
+them; offered only for blocks that have inner regions)."""
+
+# The levels the planner's config gives each strategy: a selective block is a rung of its own
+# (level 1), full blocks are medium modules (3), the inner regions of nested blocks small ones
+# (2); a training level of 3 then runs exactly the chosen strategies.
+_LEVEL = {"selective": Level(1), "full": Level(3), "nested": Level(3)}
+_INNER_LEVEL = Level(2)
+_TRAINING_LEVEL = Level(3)
 
 
 @dataclass
 class BudgetPlan:
-    """The answer of :func:`plan_for_budget`: which blocks to checkpoint, as an editable config."""
+    """The answer of :func:`plan_for_budget`: a strategy per block, as an editable config."""
 
     config: CheckpointConfig | None
-    """A config whose rules checkpoint exactly the chosen blocks; ``None`` if nothing fits."""
+    """A config whose rules run exactly the chosen strategies (``None`` if nothing fits)."""
     blocks: list[str]
-    """Qualified names of the blocks chosen, in the order they were chosen."""
+    """Qualified names of the blocks that are checkpointed (any strategy but ``keep``)."""
     budget_bytes: int
     batch_size: int
     predicted_peak: int
     """Peak at ``batch_size`` extrapolated from small-batch measurements of the final plan."""
     candidates: list[dict[str, Any]]
-    """Every candidate block with its kept bytes (at ``batch_size``) and recompute FLOPs."""
+    """Every candidate block with its menu: per strategy, kept bytes, transient bytes and
+    seconds, at ``batch_size``."""
+    strategies: dict[str, str] = field(default_factory=dict)
+    """Candidate block -> chosen strategy (``keep``, ``selective``, ``full`` or ``nested``)."""
+    predicted_time: float | None = None
+    """Predicted seconds per step at ``batch_size``: the plain step's time (extrapolated from
+    the small batches) plus the chosen strategies' extra work."""
+    base_time: float | None = None
+    """Predicted seconds per step at ``batch_size`` with no checkpointing."""
+    base_bytes: int = 0
+    """What the step holds besides the candidate blocks' kept bytes (the planner's model)."""
+    rounds: int = 0
+    """How many answers were measured (each over-budget one corrected the model)."""
+    seconds: float = 0.0
+    """Wall time the planning took."""
+
+    def explain(self) -> str:
+        """One line: what was chosen and what it is predicted to cost."""
+        if self.config is None:
+            return (
+                f"no plan fits {format_bytes(self.budget_bytes)} at batch {self.batch_size}: "
+                f"the smallest predicted peak is {format_bytes(self.predicted_peak)}"
+            )
+        counts: dict[str, int] = defaultdict(int)
+        for strategy in self.strategies.values():
+            counts[strategy] += 1
+        mix = ", ".join(f"{counts[s]} {s}" for s in STRATEGIES if counts[s])
+        slower = (
+            f", +{self.predicted_time / self.base_time - 1:.0%} time"
+            if self.predicted_time and self.base_time
+            else ""
+        )
+        return (
+            f"plan fits: predicted peak {format_bytes(self.predicted_peak)} at batch "
+            f"{self.batch_size} (budget {format_bytes(self.budget_bytes)}{slower}); blocks: {mix}"
+        )
 
 
 def _candidate_blocks(plan: Any) -> list[Any]:
@@ -52,7 +114,10 @@ def _candidate_blocks(plan: Any) -> list[Any]:
     repeated blocks (level 3 if present, else 2, else 4)."""
     by_level: dict[int, list[Any]] = {}
     for entry in plan.entries:
-        by_level.setdefault(int(entry.level), []).append(entry)
+        for rung in entry.rungs or ():
+            by_level.setdefault(int(rung.level), []).append(entry)
+        if not entry.rungs:
+            by_level.setdefault(int(entry.level), []).append(entry)
     for level in (3, 2, 4, 1, 5):
         entries = by_level.get(level, [])
         names = [e.name for e in entries]
@@ -64,72 +129,317 @@ def _candidate_blocks(plan: Any) -> list[Any]:
     return []
 
 
-def _block_costs(work: Workload, x: torch.Tensor, names: list[str]) -> dict[str, tuple[int, int]]:
-    """Per block: (activation bytes saved for backward inside it, forward FLOPs), from one plain
-    forward on ``x``. Bytes go to the innermost block running when autograd saves them, each
-    storage once; weights are not counted (checkpointing does not free them)."""
-    model = work.model
-    modules = dict(model.named_modules())
-    active: list[str] = []
-    handles = []
+# NOTE [ Pricing the strategies of a block ]
+#
+# Everything is measured at the two small batches of NOTE [ Predicting the peak of a larger
+# batch ] and extrapolated along the line through them to the target batch.
+#
+# Bytes. Four forwards with count_saved_bytes, the bytes going to the innermost candidate block
+# running when autograd saves them: nothing checkpointed (keep), every block selective, every
+# block full, and only the blocks' inner regions checkpointed (what a nested block holds while it
+# is recomputed). kept(s) is the block's figure under strategy s; a full or nested block keeps
+# its input. transient(s) is what recomputation brings back: keep's bytes minus kept(s); for
+# nested, the inner-checkpointed figure minus the input, plus one inner region's share.
+#
+# Time. One forward with every operator timed (synchronising the device around each one), each
+# operator's time going to the innermost candidate block running it. The extra work of full is
+# the block's whole forward; of selective, the operators whose outputs it does not keep (the same
+# decision SaveOps makes when it runs); of nested, full plus the operators inside its inner
+# regions, which run a third time. So the price is the device's own: on a GPU norms and
+# activations cost far more per FLOP than convolutions, and the plan sees it.
+#
+# Base. Level 0's step peak (extrapolated like every peak) minus the keep bytes of all blocks.
+# The step time with no checkpointing is measured at the small batches and extrapolated; the
+# predicted time of a plan is that plus its extra work.
 
-    def pre(name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            active.append(name)
 
-        return hook
+class _Regions:
+    """Forward hooks that track the innermost candidate block running, and whether an inner
+    region of it is running."""
 
-    def post(name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-            active.pop()
+    def __init__(self, model: torch.nn.Module, blocks: Sequence[str], inner: Sequence[str]):
+        self.blocks: list[str] = []
+        self.inner = 0
+        modules = dict(model.named_modules())
+        self._handles = []
+        for name in blocks:
+            self._handles += self._track(modules[name], self.blocks.append, self.blocks.pop, name)
+        for name in inner:
+            self._handles += self._track(modules[name], self._enter, self._leave, name)
 
-        return hook
+    @staticmethod
+    def _track(
+        module: torch.nn.Module, enter: Callable[[str], Any], leave: Callable[[], Any], name: str
+    ) -> list[Any]:
+        def pre(*_: Any) -> None:  # a hook's return value would replace the input / output
+            enter(name)
 
-    for name in names:
-        handles.append(modules[name].register_forward_pre_hook(pre(name)))
-        handles.append(modules[name].register_forward_hook(post(name)))
+        def post(*_: Any) -> None:
+            leave()
 
-    def innermost() -> str | None:
-        return active[-1] if active else None
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
+    def _enter(self, name: str) -> None:
+        self.inner += 1
+
+    def _leave(self) -> None:
+        self.inner -= 1
+
+    def innermost(self) -> str | None:
+        return self.blocks[-1] if self.blocks else None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class _OpTimes(TorchDispatchMode):
+    """Seconds spent in each candidate block's operators: all of them, those a selective
+    strategy recomputes, and those inside its inner regions."""
+
+    def __init__(self, regions: _Regions, keeps: SaveOps, device: torch.device) -> None:
+        super().__init__()
+        self.regions = regions
+        self.keeps = keeps
+        self.cuda = device.type == "cuda"
+        self.total: dict[str, float] = defaultdict(float)
+        self.recomputed: dict[str, float] = defaultdict(float)
+        self.inner: dict[str, float] = defaultdict(float)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        block = self.regions.innermost()
+        if block is None:
+            return func(*args, **(kwargs or {}))
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if self.cuda:
+            torch.cuda.synchronize()
+        spent = time.perf_counter() - start
+        self.total[block] += spent
+        if not self.keeps.keeps(func, args):
+            self.recomputed[block] += spent
+        if self.regions.inner:
+            self.inner[block] += spent
+        return out
+
+
+@contextlib.contextmanager
+def _regions(model: torch.nn.Module, blocks: Sequence[str], inner: Sequence[str]) -> Iterator[Any]:
+    regions = _Regions(model, blocks, inner)
     try:
-        with count_saved_bytes(model, region=innermost) as saved:
-            with FlopCounterMode(display=False) as counter:
-                out = model(x)
-        del out
+        yield regions
     finally:
-        for h in handles:
-            h.remove()
-    flop_table = counter.get_flop_counts()
-    root = next(iter(flop_table), None)
-    costs = {}
-    for name in names:
-        key = f"{type(model).__name__}.{name}" if root is not None else name
-        per_op = flop_table.get(key, {})
-        costs[name] = (saved.by_region.get(name, 0), int(sum(per_op.values())))
-    return costs
+        regions.remove()
 
 
-# NOTE [ Choosing blocks for a budget ]
-#
-# 1. Candidates: the blocks of the plan at the finest level that covers repeated blocks (3, else
-#    2, 4, 1, 5), with nested ones dropped so that no two candidates overlap
-#    (_candidate_blocks).
-# 2. Costs, from one plain forward at each of the two small batches (_block_costs): the bytes
-#    autograd saves inside each block (what checkpointing it frees, weights excluded), projected
-#    to the target batch along the line through the two batches, and its forward FLOPs (what
-#    recomputing it costs).
-# 3. Order: most bytes freed per recomputed FLOP first.
-# 4. First guess (none when level 0's predicted peak already fits the goal, budget / (1 +
-#    margin)): take blocks in that order until level 0's peak, minus the bytes they free,
-#    plus the largest of them (one block is recomputed at a time, so its activations come back
-#    during backward), is under the goal.
-# 5. Correction: measure the guess (extrapolated from small batches, like everything here); while
-#    it is over the goal, add blocks in order until their freed bytes cover the excess, and
-#    measure again, at most max_rounds times. The answer is the last measured set, if it fits.
-#
-# The chosen blocks keep their plan level (at least 1) and every other planned module gets 0, so
-# a training level equal to the highest chosen level checkpoints exactly them (_config_for).
+def _saved_by_block(work: Workload, x: torch.Tensor, blocks: Sequence[str]) -> dict[str, int]:
+    with _regions(work.model, blocks, ()) as regions:
+        with count_saved_bytes(work.model, region=regions.innermost) as saved:
+            out = work.model(x)
+        del out
+    return {name: saved.by_region.get(name, 0) for name in blocks}
+
+
+def _timed_forward(
+    work: Workload, x: torch.Tensor, blocks: Sequence[str], inner: Sequence[str]
+) -> _OpTimes:
+    keeps = SaveOps(HEAVY_OPS, default=True)
+    with _regions(work.model, blocks, inner) as regions:
+        work.model(x)  # warm-up (allocator, kernels chosen at first call)
+        with _OpTimes(regions, keeps, work.device) as times:
+            out = work.model(x)
+        del out
+    return times
+
+
+def _strategy_config(
+    base: CheckpointConfig,
+    entries: Sequence[Any],
+    strategies: dict[str, str],
+    inner_of: dict[str, list[str]],
+) -> CheckpointConfig:
+    """A config that runs ``strategies`` (block -> strategy) and nothing else.
+
+    Its rules replace the base config's and its preset (a module keeps a rung per strategy, so
+    a rule could not switch off the preset's other rung); the base's run options stay."""
+    rules = []
+    for entry in entries:
+        strategy = strategies.get(entry.name, "keep")
+        if strategy == "keep":
+            continue
+        rules.append(
+            LevelRule(
+                match=exact_name_pattern(entry.name),
+                level=_LEVEL[strategy],
+                strategy="selective" if strategy == "selective" else "full",
+            )
+        )
+        if strategy == "nested":
+            rules += [
+                LevelRule(match=exact_name_pattern(inner), level=_INNER_LEVEL)
+                for inner in inner_of[entry.name]
+            ]
+    return _only(base, rules)
+
+
+def _only(base: CheckpointConfig, rules: Sequence[LevelRule]) -> CheckpointConfig:
+    return base.model_copy(
+        update={
+            "preset": None,
+            "rules": tuple(rules),
+            "training_checkpoint_level": _TRAINING_LEVEL,
+            "nesting": "all",
+        }
+    )
+
+
+def _line(points: Sequence[tuple[int, float]], target: int) -> float:
+    """Bytes at ``target`` along the line through two (batch, bytes) points."""
+    (b1, v1), (b2, v2) = points
+    return v2 + (v2 - v1) * (target - b2) / (b2 - b1)
+
+
+def _proportional(points: Sequence[tuple[int, float]], target: int) -> float:
+    """Seconds at ``target`` from (batch, seconds) points, as proportional to the batch (least
+    squares through the origin): a line through two noisy timings of small batches would
+    multiply their noise by the distance to the target."""
+    return target * sum(b * v for b, v in points) / sum(b * b for b, _ in points)
+
+
+@dataclass
+class _Menus:
+    """What :func:`_measure_menus` found: the blocks' menus at the target batch and the rest."""
+
+    base_config: CheckpointConfig
+    entries: list[Any]
+    inner_of: dict[str, list[str]]
+    blocks: list[Block]
+    table: list[dict[str, Any]]
+    peak0: int
+    base: int
+    """Level 0's peak minus the blocks' keep bytes (NOTE [ Pricing the strategies of a block ])."""
+    base_time: float
+
+    def config_for(self, strategies: dict[str, str]) -> CheckpointConfig:
+        return _strategy_config(self.base_config, self.entries, strategies, self.inner_of)
+
+
+def _measure_menus(
+    work: Workload,
+    target: int,
+    base_config: CheckpointConfig,
+    menu: tuple[str, ...],
+    limit: int | None,
+) -> _Menus:
+    """Price every candidate block's menu at ``target`` (NOTE [ Pricing the strategies of a
+    block ]). The model must be restored by the caller."""
+    model = work.model
+    full_plan = _plan(model, base_config)
+    candidates = _candidate_blocks(full_plan)
+    if not candidates:
+        raise ConfigError(
+            "plan_for_budget found no checkpointable block in the model; give it a config "
+            "with rules (or a preset) that select its blocks"
+        )
+    names = [e.name for e in candidates]
+    entries = list(full_plan.entries)
+    inner_of = {n: [e.name for e in entries if e.name.startswith(n + ".")] for n in names}
+    inner_all = [i for n in names for i in inner_of[n]]
+    uniform = {
+        s: _strategy_config(base_config, entries, dict.fromkeys(names, s), inner_of)
+        for s in ("selective", "full")
+    }
+    inner_only = _only(
+        base_config,
+        [LevelRule(match=exact_name_pattern(n), level=_INNER_LEVEL) for n in inner_all],
+    )
+
+    # Per strategy and block, (batch, bytes) and (batch, seconds) points.
+    kept: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+    spent: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+    step_time: list[tuple[int, float]] = []
+    for b in small_batches(target):
+        x = work.batch(b)
+        with applied(model, CheckpointConfig()):
+            for n, v in _saved_by_block(work, x, names).items():
+                kept["keep"][n].append((b, v))
+            times = _timed_forward(work, x, names, inner_all)
+            step_time.append((b, measure_time(work, x, steps=1)))
+        for s in ("selective", "full"):
+            if s in menu or (s == "full" and "nested" in menu):
+                with applied(model, uniform[s]):
+                    for n, v in _saved_by_block(work, x, names).items():
+                        kept[s][n].append((b, v))
+        if "nested" in menu and inner_all:
+            with applied(model, inner_only):
+                for n, v in _saved_by_block(work, x, names).items():
+                    kept["inner"][n].append((b, v))
+        for n in names:
+            spent["full"][n].append((b, times.total[n]))
+            spent["selective"][n].append((b, times.recomputed[n]))
+            spent["nested"][n].append((b, times.total[n] + times.inner[n]))
+
+    def nbytes(points: list[tuple[int, float]]) -> int:
+        return int(max(0.0, _line(points, target)))
+
+    def seconds(points: list[tuple[int, float]]) -> float:
+        return max(0.0, _proportional(points, target))
+
+    blocks: list[Block] = []
+    table: list[dict[str, Any]] = []
+    for n in names:
+        keep_bytes = nbytes(kept["keep"][n])
+        options = [Option("keep", keep_bytes, 0, 0.0)]
+        for s in ("selective", "full"):
+            if s in menu:
+                k = nbytes(kept[s][n])
+                options.append(Option(s, k, max(0, keep_bytes - k), seconds(spent[s][n])))
+        if "nested" in menu and inner_of[n]:
+            k = nbytes(kept["full"][n])
+            held = nbytes(kept["inner"][n])
+            # while recomputed: the inner-checkpointed forward's bytes (its input is already in
+            # k), then one inner region's activations during that region's own backward
+            share = max(0, keep_bytes - held) // len(inner_of[n])
+            options.append(
+                Option("nested", k, max(0, held - k) + share, seconds(spent["nested"][n]))
+            )
+        blocks.append(Block(n, tuple(options)))
+        table.append(
+            {
+                "name": n,
+                "options": {
+                    o.strategy: {"kept": o.kept, "transient": o.transient, "seconds": o.time}
+                    for o in options
+                },
+            }
+        )
+
+    with training_level(0):
+        with applied(model, base_config):
+            peak0 = extrapolated_peak(peak_measurer(work), target, limit)[0]
+    return _Menus(
+        base_config=base_config,
+        entries=entries,
+        inner_of=inner_of,
+        blocks=blocks,
+        table=table,
+        peak0=peak0,
+        base=peak0 - sum(b.options[0].kept for b in blocks),
+        base_time=seconds(step_time),
+    )
+
+
+def _check_menu(strategies: Sequence[str]) -> tuple[str, ...]:
+    menu = tuple(dict.fromkeys(("keep", *strategies)))
+    unknown = [s for s in menu if s not in STRATEGIES]
+    if unknown:
+        raise ConfigError(
+            f"unknown strategies {unknown}; allowed: {', '.join(STRATEGIES)} (keep is always "
+            "on the menu)."
+        )
+    return menu
 
 
 def plan_for_budget(
@@ -142,119 +452,198 @@ def plan_for_budget(
     margin: float = 0.05,
     loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    max_rounds: int = 8,
+    max_rounds: int = 3,
+    strategies: Sequence[str] = STRATEGIES,
 ) -> BudgetPlan:
-    """Choose which blocks to checkpoint so the step fits ``budget`` with the least recompute.
+    """A strategy per block so the step fits ``budget`` at ``batch_size`` in the least time.
 
-    Uniform levels are coarse: a budget between two levels forces the costlier one. This
-    measures, in one small-batch forward, the bytes each candidate block keeps for backward and
-    its forward FLOPs (the price of recomputing it), then checkpoints the blocks that free the
-    most memory per recomputed FLOP first (typically the high-resolution early stages of a CNN)
-    until the extrapolated peak fits, checking each guess by measurement at two small batches.
+    For every candidate block (the plan's finest repeated blocks: residual blocks, transformer
+    layers) it measures, at two small batches, the bytes each strategy keeps and the time of the
+    work it adds, on the model's own device (NOTE [ Pricing the strategies of a block ]); picks
+    one strategy per block minimising the predicted step time under the budget (NOTE [ One
+    strategy per block ] in ``vision_ckpt._optimise``); then measures the answer at the small
+    batches and, if its extrapolated peak is over, corrects the model and solves again.
+
+    Args:
+        model, example_input: the model (on its device) and one input batch of any size.
+        budget: bytes, or a string such as ``"6GiB"``.
+        batch_size: the batch to plan for (default: the example's).
+        config: the config whose plan gives the candidate blocks (default: the model's preset).
+        margin: share of the budget kept free: plans aim at ``budget / (1 + margin)``.
+        max_rounds: how many answers may be measured and corrected.
+        strategies: the menu (a subset of :data:`STRATEGIES`; ``keep`` is always on it).
 
     Returns:
-        A :class:`BudgetPlan` whose ``config`` gives the chosen blocks their level and every other
-        candidate level 0, with ``training_checkpoint_level`` set so exactly the chosen blocks
-        are checkpointed; ``config`` is ``None`` when even checkpointing every candidate does not
-        fit (``predicted_peak`` is then the smallest peak reached).
+        A :class:`BudgetPlan`; its ``config`` is ``None`` when nothing on the menu fits.
+
+    >>> import timm, torch
+    >>> model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    >>> result = plan_for_budget(model, torch.randn(2, 3, 64, 64), "120MiB", batch_size=8)
+    >>> print(result.explain())  # doctest: +ELLIPSIS
+    plan fits: predicted peak ... at batch 8 (budget 120.00 MiB...); blocks: ...
     """
+    started = time.perf_counter()
+    menu = _check_menu(strategies)
     budget_bytes = parse_memory_budget(budget)
     work = Workload(model, example_input, loss_fn or default_loss, optimizer)
     target = batch_size or work.batch_size
-    base = following_global(config)
     check_margin(margin)
-    small = small_batches(target)
     with model_restored(model, optimizer):
-        full_plan = _plan(model, base)
-        candidates = _candidate_blocks(full_plan)
-        if not candidates:
-            raise ConfigError(
-                "plan_for_budget found no checkpointable block in the model; give it a config "
-                "with rules (or a preset) that select its blocks"
-            )
-        names = [e.name for e in candidates]
-        all_entries = list(full_plan.entries)
-        levels = {e.name: int(e.level) for e in full_plan.entries}
-        with applied(model, CheckpointConfig()):  # block costs of the plain model
-            per_batch = [_block_costs(work, work.batch(b), names) for b in small]
-        scale = (target - small[0]) / (small[1] - small[0])
-        kept = {
-            n: int(per_batch[0][n][0] + (per_batch[1][n][0] - per_batch[0][n][0]) * scale)
-            for n in names
-        }
-        flops = {n: per_batch[1][n][1] for n in names}
-        order = sorted(names, key=lambda n: kept[n] / max(flops[n], 1), reverse=True)
-
+        menus = _measure_menus(work, target, following_global(config), menu, budget_bytes)
         step_peak = peak_measurer(work)
+        goal = int(budget_bytes / (1 + margin))
 
-        def measure(chosen: list[str]) -> int:
-            cfg = _config_for(base, chosen, all_entries, levels)
-            with applied(model, cfg):
-                with training_level(_training_level_for(chosen, levels)):
-                    return extrapolated_peak(step_peak, target, budget_bytes)[0]
-
-        with training_level(0):
-            with applied(model, base):
-                peak0 = extrapolated_peak(step_peak, target, budget_bytes)[0]
-        goal = budget_bytes / (1 + margin)
-        chosen: list[str] = []
-        predicted = peak0
-        if peak0 > goal:
-            # First guess from the per-block figures, then correct by measurement.
-            estimate = peak0
-            for name in order:
-                if estimate <= goal:
-                    break
-                chosen.append(name)
-                estimate = peak0 - sum(kept[n] for n in chosen) + max(kept[n] for n in chosen)
-            predicted = measure(chosen)
-            rounds = 0
-            while predicted > goal and len(chosen) < len(order) and rounds < max_rounds:
+        best: tuple[Choice, dict[str, str], int] | None = None
+        correction = 0
+        rounds = 0
+        smallest = menus.peak0
+        while rounds < max_rounds:
+            choice = choose(menus.blocks, menus.base + correction, goal)
+            if choice is None:
+                break
+            chosen = {b.name: o.strategy for b, o in zip(menus.blocks, choice.options, strict=True)}
+            if all(s == "keep" for s in chosen.values()):
+                measured = menus.peak0
+            else:
+                with applied(model, menus.config_for(chosen)):
+                    measured = extrapolated_peak(step_peak, target, budget_bytes)[0]
                 rounds += 1
-                missing = predicted - goal
-                while missing > 0 and len(chosen) < len(order):
-                    nxt = order[len(chosen)]
-                    chosen.append(nxt)
-                    missing -= kept[nxt]
-                predicted = measure(chosen)
-        fits = predicted <= goal
+            smallest = min(smallest, measured)
+            if measured <= goal:
+                best = (choice, chosen, measured)
+                break
+            # the model was short by `error` on this plan; ask the next one for at least that
+            error = measured - (choice.peak - correction)
+            correction = max(error, correction + measured - goal)
+    common: dict[str, Any] = {
+        "budget_bytes": budget_bytes,
+        "batch_size": target,
+        "candidates": menus.table,
+        "base_time": menus.base_time,
+        "base_bytes": menus.base,
+        "rounds": rounds,
+    }
+    if best is None:
         return BudgetPlan(
-            config=_config_for(base, chosen, all_entries, levels, fixed_level=True)
-            if fits
-            else None,
-            blocks=list(chosen),
-            budget_bytes=budget_bytes,
-            batch_size=target,
-            predicted_peak=predicted,
-            candidates=[
-                {"name": n, "level": levels[n], "kept_bytes": kept[n], "forward_flops": flops[n]}
-                for n in order
-            ],
+            config=None,
+            blocks=[],
+            predicted_peak=smallest,
+            seconds=time.perf_counter() - started,
+            **common,
         )
-
-
-def _training_level_for(chosen: list[str], levels: dict[str, int]) -> int:
-    return max((max(levels[n], 1) for n in chosen), default=0)
-
-
-def _config_for(
-    base: CheckpointConfig,
-    chosen: list[str],
-    entries: list[Any],
-    levels: dict[str, int],
-    fixed_level: bool = False,
-) -> CheckpointConfig:
-    """Rules that keep the chosen blocks' levels and give every other planned module level 0."""
-    chosen_set = set(chosen)
-    top = _training_level_for(chosen, levels)
-    rules = []
-    for entry in entries:
-        level = Level(max(levels[entry.name], 1) if entry.name in chosen_set else 0)
-        rules.append(LevelRule(match=exact_name_pattern(entry.name), level=level))
-    return base.model_copy(
-        update={
-            "rules": tuple(base.rules) + tuple(rules),
-            "training_checkpoint_level": Level(top) if fixed_level else None,
-            "nesting": "all",
-        }
+    choice, chosen, measured = best
+    return BudgetPlan(
+        config=menus.config_for(chosen),
+        blocks=[n for n, s in chosen.items() if s != "keep"],
+        predicted_peak=measured,
+        strategies=chosen,
+        predicted_time=menus.base_time + choice.time,
+        seconds=time.perf_counter() - started,
+        **common,
     )
+
+
+def planner_frontier(
+    model: torch.nn.Module,
+    example_input: torch.Tensor,
+    batch_size: int | None = None,
+    *,
+    points: int = 12,
+    config: CheckpointConfig | None = None,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    strategies: Sequence[str] = STRATEGIES,
+) -> list[dict[str, Any]]:
+    """The planner's predicted time/peak trade at ``points`` budgets, from one measurement.
+
+    The blocks' menus are measured once (as :func:`plan_for_budget` does) and the program is
+    solved for budgets evenly spaced between the lowest peak the menu can reach and level 0's;
+    nothing is verified by measurement, so the figures are predictions.
+
+    Returns:
+        One dict per distinct plan, by increasing peak: ``budget``, ``peak`` (predicted bytes),
+        ``time`` (predicted seconds per step), ``base_time`` and ``strategies`` (counts).
+    """
+    menu = _check_menu(strategies)
+    work = Workload(model, example_input, loss_fn or default_loss, optimizer)
+    target = batch_size or work.batch_size
+    with model_restored(model, optimizer):
+        menus = _measure_menus(work, target, following_global(config), menu, None)
+    lowest = menus.base + min(_uniform_peak(menus.blocks, option) for option in STRATEGIES)
+    found: dict[tuple[str, ...], dict[str, Any]] = {}
+    for i in range(points):
+        budget = int(lowest + (menus.peak0 - lowest) * i / max(1, points - 1))
+        choice = choose(menus.blocks, menus.base, budget)
+        if choice is None:
+            continue
+        key = tuple(o.strategy for o in choice.options)
+        counts: dict[str, int] = defaultdict(int)
+        for s in key:
+            counts[s] += 1
+        found.setdefault(
+            key,
+            {
+                "budget": budget,
+                "peak": choice.peak,
+                "time": menus.base_time + choice.time,
+                "base_time": menus.base_time,
+                "strategies": dict(counts),
+            },
+        )
+    return sorted(found.values(), key=lambda p: p["peak"])
+
+
+def _uniform_peak(blocks: Sequence[Block], strategy: str) -> int:
+    """Predicted peak (without the base) when every block takes ``strategy`` where it can (its
+    cheapest-in-memory option otherwise)."""
+    options = []
+    for block in blocks:
+        same = [o for o in block.options if o.strategy == strategy]
+        options.append(same[0] if same else min(block.options, key=lambda o: o.kept + o.transient))
+    return predict(blocks, options, 0)[0]
+
+
+def resolve_auto(
+    model: torch.nn.Module,
+    example_input: torch.Tensor,
+    config: CheckpointConfig | dict[str, Any],
+    batch_size: int | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> CheckpointConfig:
+    """The config to apply for ``training_checkpoint_level: auto``: the per-block plan of
+    :func:`plan_for_budget` for the config's ``memory_budget``.
+
+    Raises:
+        ConfigError: the config is not ``auto`` with a budget, or no plan fits the budget.
+
+    >>> import timm, torch, vision_ckpt
+    >>> model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    >>> cfg = {"training_checkpoint_level": "auto", "memory_budget": "1GiB", "preset": "auto"}
+    >>> planned = resolve_auto(model, torch.randn(2, 3, 64, 64), cfg, batch_size=8)
+    >>> _ = vision_ckpt.apply(model, planned)
+    """
+    if isinstance(config, dict):
+        config = CheckpointConfig.model_validate(config)
+    if config.training_checkpoint_level != "auto" or config.memory_budget is None:
+        raise ConfigError(
+            f"resolve_auto needs training_checkpoint_level 'auto' and a memory_budget; got "
+            f"training_checkpoint_level {config.training_checkpoint_level!r}, memory_budget "
+            f"{config.memory_budget!r}. Apply a config with a level directly instead."
+        )
+    result = plan_for_budget(
+        model,
+        example_input,
+        config.memory_budget,
+        batch_size,
+        config=config,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+    )
+    if result.config is None:
+        raise ConfigError(
+            f"memory_budget {config.memory_budget!r}: {result.explain()}. Lower the batch size "
+            "or raise the budget."
+        )
+    return result.config.model_copy(update={"memory_budget": None})

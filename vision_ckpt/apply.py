@@ -301,8 +301,9 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
     if cfg.training_checkpoint_level == "auto":
         raise ConfigError(
             f"training_checkpoint_level 'auto' (memory_budget {cfg.memory_budget!r}) cannot be "
-            "applied directly: choose the level with the profiler (vision_ckpt.suggest_level("
-            "model, config, ...)) and pass a config with that level, or give a level 0-5."
+            "applied directly: plan it first with vision_ckpt.profile.resolve_auto(model, "
+            "example_input, config), which returns the fastest per-block config that fits, "
+            "and apply that; or give a level 0-5."
         )
     save_ops = None
     if cfg.selective is not None:

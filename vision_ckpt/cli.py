@@ -150,7 +150,7 @@ def _profile_table(result: Any) -> Any:
     return table
 
 
-def _plot(result: Any, path: str) -> None:
+def _plot(result: Any, path: str, planned: list[dict[str, Any]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,6 +165,15 @@ def _plot(result: Any, path: str) -> None:
         # Alternate above/below: levels with the same peak would otherwise print over each other.
         offset = (5, 6) if i % 2 == 0 else (5, -14)
         ax.annotate(f"level {e.level}", (x, y), textcoords="offset points", xytext=offset)
+    if planned:
+        ax.plot(
+            [p["time"] / p["base_time"] for p in planned],
+            [p["peak"] / 2**20 for p in planned],
+            marker="s",
+            linestyle="--",
+            label="per-block plans (predicted)",
+        )
+        ax.legend()
     ax.set_xlabel("step time relative to level 0")
     ax.set_ylabel("step peak memory (MiB)")
     ax.set_title(f"{result.model}, batch {result.batch_size}: memory vs time by level")
@@ -202,13 +211,44 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             model_name=args.model,
         )
     console.print(_profile_table(result))
+    planned: list[dict[str, Any]] = []
+    if args.frontier:
+        from .profile import planner_frontier
+
+        with console.status(f"pricing the blocks of {args.model} for the per-block planner"):
+            planned = planner_frontier(model, x, config=config)
+        console.print(_frontier_table(result, planned))
     if args.json:
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
+        data = result.to_dict()
+        if args.frontier:
+            data["planner_frontier"] = planned
+        Path(args.json).write_text(json.dumps(data, indent=2))
         console.print(f"wrote {args.json}")
     if args.plot:
-        _plot(result, args.plot)
+        _plot(result, args.plot, planned)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _frontier_table(result: Any, planned: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"per-block plans (predicted) at batch {result.batch_size}")
+    for column in ("budget", "predicted peak", "predicted time", "blocks"):
+        table.add_column(column, justify="right")
+    for point in planned:
+        ratio = point["time"] / point["base_time"] if point["base_time"] else None
+        table.add_row(
+            _fmt_bytes(point["budget"]),
+            _fmt_bytes(point["peak"]),
+            "-" if ratio is None else f"{ratio:.2f}x",
+            ", ".join(f"{n} {s}" for s, n in point["strategies"].items()),
+        )
+    table.caption = (
+        "The planner's choice at each budget, predicted from one measurement of every block's "
+        "strategies (not measured); time relative to no checkpointing."
+    )
+    return table
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -225,7 +265,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_suggest(args: argparse.Namespace) -> int:
-    from .profile import suggest_level
+    from .profile import plan_for_budget, profile, suggest_level
 
     config = _load_config(args.config)
     model = _create_model(args.model, args.img_size, args.device)
@@ -246,7 +286,75 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
         table.add_row(str(level), _fmt_bytes(peak), "yes" if fits else "no")
     console.print(table)
     console.print(suggestion.explain())
-    return 0 if suggestion.fits else 1
+    report: dict[str, Any] = {"uniform": {"level": suggestion.level}}
+    if args.uniform_only:
+        return 0 if suggestion.fits else 1
+
+    result = plan_for_budget(
+        model, x, args.budget, batch_size=args.batch_size, config=config, margin=args.margin
+    )
+    uniform_time = None
+    if suggestion.level is not None and result.base_time:
+        # the uniform level's time, as its ratio to level 0 at the small batch
+        levels = sorted({0, suggestion.level})
+        ratios = profile(model, x, levels=levels, config=config, steps=1, flops=False)
+        ratio = ratios.level(suggestion.level).time_ratio or 1.0
+        uniform_time = result.base_time * ratio
+    plan_table = Table(title=f"per-block plan for {_fmt_bytes(result.budget_bytes)}")
+    for column in ("", "predicted peak", "predicted step time", "checkpointed"):
+        plan_table.add_column(column, justify="right")
+    if suggestion.level is not None:
+        plan_table.add_row(
+            f"level {suggestion.level} (uniform)",
+            _fmt_bytes(suggestion.predicted_peak[suggestion.level]),
+            _fmt_seconds(uniform_time),
+            "every block of the level",
+        )
+    if result.config is not None:
+        counts: dict[str, int] = {}
+        for strategy in result.strategies.values():
+            counts[strategy] = counts.get(strategy, 0) + 1
+        plan_table.add_row(
+            "plan",
+            _fmt_bytes(result.predicted_peak),
+            _fmt_seconds(result.predicted_time),
+            ", ".join(f"{n} {s}" for s, n in counts.items()),
+        )
+    plan_table.add_row("no checkpointing", "", _fmt_seconds(result.base_time), "")
+    plan_table.caption = (
+        f"planned in {result.seconds:.0f} s ({result.rounds} plan(s) measured); times are "
+        "predicted from small batches"
+    )
+    console.print(plan_table)
+    console.print(result.explain())
+    report["uniform"]["predicted_time_s"] = uniform_time
+    report["plan"] = {
+        "fits": result.config is not None,
+        "predicted_peak": result.predicted_peak,
+        "predicted_time_s": result.predicted_time,
+        "base_time_s": result.base_time,
+        "strategies": result.strategies,
+        "seconds": result.seconds,
+        "config": None if result.config is None else _config_data(result.config),
+    }
+    if args.out and result.config is not None:
+        import yaml
+
+        Path(args.out).write_text(yaml.safe_dump(_config_data(result.config), sort_keys=False))
+        console.print(f"wrote {args.out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        console.print(f"wrote {args.json}")
+    return 0 if (result.config is not None or suggestion.fits) else 1
+
+
+def _config_data(config: Any) -> dict[str, Any]:
+    """A config as plain data that ``CheckpointConfig.from_file`` reads back."""
+    return config.model_dump(mode="json", exclude_defaults=True)
+
+
+def _fmt_seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
@@ -287,6 +395,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", default=None, help="skip levels predicted above this")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="write a memory-vs-time plot (PNG)")
+    p.add_argument(
+        "--frontier",
+        action="store_true",
+        help="also the per-block planner's predicted trade at a range of budgets",
+    )
     p.set_defaults(run=_cmd_profile)
 
     p = sub.add_parser("plan", help="the modules a level checkpoints, as plan() reports them")
@@ -294,11 +407,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--level", type=int, choices=range(6), default=3, help="training level")
     p.set_defaults(run=_cmd_plan)
 
-    p = sub.add_parser("suggest", help="the lowest level whose step fits a memory budget")
+    p = sub.add_parser(
+        "suggest", help="the lowest level, and the fastest per-block plan, that fit a budget"
+    )
     model_args(p, 64)
     p.add_argument("--budget", required=True, help="memory budget, e.g. 8GiB or '8 GB'")
     p.add_argument("--margin", type=float, default=0.05, help="share of the budget kept free")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--out", default=None, help="write the per-block plan's config (YAML)")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument(
+        "--uniform-only", action="store_true", help="only the uniform levels, no per-block plan"
+    )
     p.set_defaults(run=_cmd_suggest)
 
     p = sub.add_parser("presets", help="list the bundled presets")

@@ -355,7 +355,8 @@ class CheckpointConfig(_Schema):
     """The training level 0-5 of this run: modules whose level is between 1 and it are
     checkpointed. ``null`` follows the global level (``vision_ckpt.set_training_level`` /
     ``vision_ckpt.training_level``), which can change between steps. ``auto`` picks the level
-    that fits ``memory_budget`` (needs the profiler: see ``vision_ckpt.suggest_level``)."""
+    that fits ``memory_budget``, per block (needs the profiler: see
+    ``vision_ckpt.profile.resolve_auto``, and ``suggest_level`` for one uniform level)."""
 
     memory_budget: str | int | None = None
     """Activation memory allowed to the run, for ``training_checkpoint_level: auto`` only:

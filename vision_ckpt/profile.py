@@ -26,7 +26,13 @@ peak from smaller ones), ``vision_ckpt._search`` (uniform levels: :func:`profile
 from __future__ import annotations
 
 from ._measure import LossFn as LossFn, default_loss as default_loss
-from ._planner import BudgetPlan as BudgetPlan, plan_for_budget as plan_for_budget
+from ._planner import (
+    STRATEGIES as STRATEGIES,
+    BudgetPlan as BudgetPlan,
+    plan_for_budget as plan_for_budget,
+    planner_frontier as planner_frontier,
+    resolve_auto as resolve_auto,
+)
 from ._search import (
     LevelProfile as LevelProfile,
     ProfileResult as ProfileResult,
@@ -43,4 +49,7 @@ __all__ = [
     "profile",
     "suggest_level",
     "plan_for_budget",
+    "planner_frontier",
+    "resolve_auto",
+    "STRATEGIES",
 ]

@@ -588,24 +588,33 @@ class SaveOps:
             self._ops = frozenset(ops)
         return self._ops
 
-    def __call__(self, region: str = "?") -> tuple[Any, Any]:
+    def keeps(self, op: Any, args: Sequence[Any]) -> bool:
+        """Whether the output of ``op`` called on ``args`` is kept (else it is recomputed).
+
+        >>> x = torch.empty(4, 96), torch.empty(96, 8)
+        >>> SaveOps(["aten.mm"]).keeps(torch.ops.aten.mm.default, x)
+        True
+        >>> SaveOps(["aten.mm"], recompute_below=200).keeps(torch.ops.aten.mm.default, x)
+        False
+        """
         ops = self.resolve()
-        below = self.recompute_below
+        if op not in ops and getattr(op, "overloadpacket", op) not in ops:
+            return False
+        if self.recompute_below is not None:
+            cost = flops_per_output(op, args)
+            if cost is not None and cost < self.recompute_below:
+                return False
+        return True
+
+    def __call__(self, region: str = "?") -> tuple[Any, Any]:
         met = self._met
         must_save = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
         recompute = torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-            packet = getattr(op, "overloadpacket", op)
             if not ctx.is_recompute:
-                met.add(packet)
-            if op in ops or packet in ops:
-                if below is not None:
-                    cost = flops_per_output(op, args)
-                    if cost is not None and cost < below:
-                        return recompute
-                return must_save
-            return recompute
+                met.add(getattr(op, "overloadpacket", op))
+            return must_save if self.keeps(op, args) else recompute
 
         forward_ctx, recompute_ctx = torch.utils.checkpoint.create_selective_checkpoint_contexts(
             policy
