@@ -514,7 +514,8 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
         The plan that was installed.
 
     Raises:
-        ConfigError: as :func:`plan`; or the plan names a module this model does not have.
+        ConfigError: as :func:`plan`; or the plan names a module this model does not have; or
+            the model's own gradient checkpointing (Hugging Face's) is on.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
@@ -538,6 +539,7 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
                 "vision_ckpt.plan(model, config) for this very model."
             )
         installs.append((entry, module))
+    _refuse_a_second_checkpointer(model)
     remove(model)
     shared: dict[tuple[Any, ...], SaveOps] = {}  # one per option set: it tracks ops met
     install(
@@ -546,6 +548,24 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
         if entry.rungs  # never checkpointed: leave the module untouched
     )
     return the_plan
+
+
+def _refuse_a_second_checkpointer(model: nn.Module) -> None:
+    """Hugging Face models checkpoint their layers themselves when ``gradient_checkpointing`` is
+    on; our regions inside and around theirs would be recomputed in one of torch's runs of a
+    layer and not in the other (torch then fails at backward). One checkpointer at a time."""
+    on = [
+        n or "(the model)"
+        for n, m in model.named_modules()
+        if m.__dict__.get("gradient_checkpointing") is True
+    ]
+    if on:
+        raise ConfigError(
+            f"{type(model).__name__} checkpoints itself: gradient_checkpointing is on in "
+            f"{', '.join(on[:3])}{' ...' if len(on) > 3 else ''}. Turn it off first "
+            "(model.gradient_checkpointing_disable()), or use "
+            "vision_ckpt.integrations.hf.enable_checkpointing(model, level), which does."
+        )
 
 
 def _policy(
