@@ -640,9 +640,9 @@ class SaveOps:
             return
         ran = sorted({_op_name(p) for p in self._met})
         shown = ", ".join(ran[:12]) + (f" and {len(ran) - 12} more" if len(ran) > 12 else "")
-        what = "none of the operators" if len(unmet) == len(self.names) else "operators"
+        what = "ran none of the operators" if len(unmet) == len(self.names) else "never ran"
         warnings.warn(
-            f"selective checkpointing: the checkpointed regions ran {what} "
+            f"selective checkpointing: the checkpointed regions {what} "
             f"{', '.join(unmet)} in their forward, so nothing was kept for them (first region "
             f"recomputed: {region!r}). Operators they ran: {shown or 'none'}. A region sees "
             "operators as autograd dispatches them (aten.convolution, not "
