@@ -121,8 +121,9 @@ def check_case(case: Case, core_calls: list[Any]) -> None:
     # Within each kind of level (selective ones; level 0 and the full ones) a higher level keeps
     # no more and recomputes no less. Across kinds the order is the model's: a stage-wide
     # selective level can keep less than per-block full checkpoints (their inputs) on a tiny
-    # config, for far less recomputation. Every level keeps at most level 0's bytes, and the top
-    # level keeps the least and recomputes the most.
+    # config, for far less recomputation (at real sizes the full levels go lower:
+    # benchmarks/bench_frontier.py measures the peaks). Every level keeps at most level 0's bytes;
+    # the top level keeps less than level 0 and the least of its kind, and recomputes the most.
     for kind in (True, False):
         levels = [lv for lv in LEVELS if selective[lv] == kind]
         kept = [saved[lv] for lv in levels]
@@ -136,6 +137,6 @@ def check_case(case: Case, core_calls: list[Any]) -> None:
             f"backward FLOPs by level: {flops} (selective: {selective})"
         )
     assert all(s <= saved[0] for s in saved), f"saved bytes by level: {saved}"
-    assert saved[-1] < saved[0] and saved[-1] == min(saved), f"saved bytes by level: {saved}"
+    assert saved[-1] < saved[0], f"saved bytes by level: {saved}"
     assert all(f >= flops[0] for f in flops), f"backward FLOPs by level: {flops}"
     assert flops[-1] > flops[0] and flops[-1] == max(flops), f"backward FLOPs by level: {flops}"

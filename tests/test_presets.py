@@ -484,11 +484,12 @@ rules:
     encoder = [(r, o) for r, o in rules if o.startswith("preset segnet encoder: ")]
     # every tv_resnet rule, in order, made to select under "encoder."
     assert [o for _, o in encoder] == [
-        f"preset segnet encoder: preset tv_resnet #{i}" for i in range(3)
+        f"preset segnet encoder: preset tv_resnet #{i}" for i in range(4)
     ]
     assert [r.match for r, _ in encoder] == [
         "encoder.maxpool",
-        "encoder.layer*.0.downsample",
+        "encoder.layer*",
+        "encoder.layer*",
         "encoder.layer*.*",
     ]
     # "neck" does not exist: skipped; a regex rule stays anchored under its part
@@ -496,7 +497,7 @@ rules:
     assert (rules[-3][0].match, rules[-3][1]) == head
     assert [o for _, o in rules[-2:]] == ["preset segnet #0", "preset segnet #1"]
     entries = {e.name: int(e.level) for e in plan(model, {"preset": "auto"}).entries}
-    assert entries["encoder.layer1.0"] == 3 and entries["encoder.layer4.0.downsample"] == 1
+    assert entries["encoder.layer1.0"] == 3 and entries["encoder.layer4"] == 1
     assert entries["head.0"] == 1 and entries["decoder.1"] == 3 and entries["decoder"] == 5
     assert "encoder" not in entries and "encoder.fc" not in entries
 

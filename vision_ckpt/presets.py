@@ -407,6 +407,10 @@ def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
             submodule = model.get_submodule(part)
         except AttributeError:
             continue  # this member of the family has no such part
+        if part_preset != "auto":
+            part_modules = _named_modules(submodule)
+            if not any(_selects_any(r, part_modules) for r in _load(part_preset)[0].rules):
+                continue  # this member's part is of another family (a MobileNet backbone)
         out += [
             (_under(part, rule), f"preset {name} {part}: {origin}")
             for rule, origin in preset_rules(submodule, part_preset)
