@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from vision_ckpt import CheckpointConfig, ConfigError
 
-__all__ = ["OptimizerConfig", "TrainConfig", "load_train_config"]
+__all__ = ["OptimizerConfig", "TrainConfig", "format_validation_error", "load_train_config"]
 
 
 class _Strict(BaseModel):
@@ -110,7 +110,7 @@ class TrainConfig(_Strict):
         return self
 
 
-def _format(exc: ValidationError, source: str) -> ConfigError:
+def format_validation_error(exc: ValidationError, source: str) -> ConfigError:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "config"
@@ -148,4 +148,4 @@ def load_train_config(source: str | Path | dict[str, Any]) -> TrainConfig:
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:
-        raise _format(exc, where) from None
+        raise format_validation_error(exc, where) from None

@@ -513,12 +513,19 @@ def plan_for_budget(
         correction = 0
         rounds = 0
         smallest = menus.peak0
+        tried: set[tuple[str, ...]] = set()
         while rounds < max_rounds:
             choice = choose(menus.blocks, menus.base + correction, goal)
-            if choice is None:
-                break
-            chosen = {b.name: o.strategy for b, o in zip(menus.blocks, choice.options, strict=True)}
-            if all(s == "keep" for s in chosen.values()):
+            if choice is None or tuple(o.strategy for o in choice.options) in tried:
+                # The corrected model rules every plan out (the error of one plan is not every
+                # plan's): measure the plan that holds the least, once, before giving up.
+                choice = _least_memory(menus.blocks, menus.base + correction)
+                if tuple(o.strategy for o in choice.options) in tried:
+                    break
+            key = tuple(o.strategy for o in choice.options)
+            tried.add(key)
+            chosen = {b.name: s for b, s in zip(menus.blocks, key, strict=True)}
+            if all(s == "keep" for s in key):
                 measured = menus.peak0
             else:
                 with applied(model, menus.config_for(chosen)):
@@ -608,6 +615,13 @@ def planner_frontier(
             },
         )
     return sorted(found.values(), key=lambda p: p["peak"])
+
+
+def _least_memory(blocks: Sequence[Block], base: int) -> Choice:
+    """Per block the option with the smallest kept + transient bytes (ties: the faster)."""
+    options = [min(b.options, key=lambda o: (o.kept + o.transient, o.time)) for b in blocks]
+    peak, seconds = predict(blocks, options, base)
+    return Choice(tuple(options), peak, seconds)
 
 
 def _uniform_peak(blocks: Sequence[Block], strategy: str) -> int:
