@@ -618,8 +618,10 @@ def planner_frontier(
 
 
 def _least_memory(blocks: Sequence[Block], base: int) -> Choice:
-    """Per block the option with the smallest kept + transient bytes (ties: the faster)."""
-    options = [min(b.options, key=lambda o: (o.kept + o.transient, o.time)) for b in blocks]
+    """Per block the option that keeps the fewest bytes (ties: the smaller transient, then the
+    faster). Kept + transient would not tell them apart: for full and selective alike it is
+    the block's keep bytes, since what is not kept comes back during its backward."""
+    options = [min(b.options, key=lambda o: (o.kept, o.transient, o.time)) for b in blocks]
     peak, seconds = predict(blocks, options, base)
     return Choice(tuple(options), peak, seconds)
 
