@@ -113,7 +113,8 @@ class BudgetPlan:
 
 def _candidate_blocks(plan: Any) -> list[Any]:
     """Non-overlapping blocks to choose from: the plan's entries at the finest level that covers
-    repeated blocks (level 3 if present, else 2, else 4)."""
+    repeated blocks (level 3 if present, else 2, else 4), and the outermost entries outside
+    them, in forward order."""
     by_level: dict[int, list[Any]] = {}
     for entry in plan.entries:
         for rung in entry.rungs or ():
@@ -127,8 +128,24 @@ def _candidate_blocks(plan: Any) -> list[Any]:
             e for e in entries if not any(o != e.name and e.name.startswith(o + ".") for o in names)
         ]
         if independent:
-            return independent
+            # ... plus the plan's modules outside all of them (a stem's max pool, whose indices
+            # are kept for backward), in the plan's (forward) order
+            chosen = {e.name for e in independent}
+            outside = [
+                e.name
+                for e in plan.entries
+                if e.name and not any(_related(e.name, c) for c in chosen)
+            ]
+            keep = chosen | {
+                n for n in outside if not any(o != n and n.startswith(o + ".") for o in outside)
+            }
+            return [e for e in plan.entries if e.name in keep]
     return []
+
+
+def _related(a: str, b: str) -> bool:
+    """Whether one of the two qualified names is the other or inside it."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 # NOTE [ Pricing the strategies of a block ]
@@ -538,6 +555,16 @@ def plan_for_budget(
             # the model was short by `error` on this plan; ask the next one for at least that
             error = measured - (choice.peak - correction)
             correction = max(error, correction + measured - goal)
+        least = _least_memory(menus.blocks, menus.base)
+        key = tuple(o.strategy for o in least.options)
+        if best is None and key not in tried:  # the last resort, measured once
+            chosen = {b.name: s for b, s in zip(menus.blocks, key, strict=True)}
+            with applied(model, menus.config_for(chosen)):
+                measured = extrapolated_peak(step_peak, target, budget_bytes)[0]
+            rounds += 1
+            smallest = min(smallest, measured)
+            if measured <= goal:
+                best = (least, chosen, measured)
     common: dict[str, Any] = {
         "budget_bytes": budget_bytes,
         "batch_size": target,
