@@ -32,7 +32,16 @@ from .levels import Level, is_group, parse_level
 from .matching import ModuleMatcher, qualified_class_name
 from .wrapper import HEAVY_OPS, Policy, Rung, SaveOps, get_training_level, rung_within
 
-__all__ = ["PlanEntry", "PlannedRung", "CheckpointPlan", "plan", "apply", "remove", "apply_preset"]
+__all__ = [
+    "PlanEntry",
+    "PlannedRung",
+    "CheckpointPlan",
+    "plan",
+    "apply",
+    "remove",
+    "apply_preset",
+    "as_config",
+]
 
 ConfigLike = CheckpointConfig | Mapping[str, Any] | str | Path
 
@@ -231,7 +240,13 @@ def _is_ancestor(name: str, of: str) -> bool:
     return name != of and (name == "" or of.startswith(name + "."))
 
 
-def _as_config(config: ConfigLike) -> CheckpointConfig:
+def as_config(config: ConfigLike) -> CheckpointConfig:
+    """A :class:`CheckpointConfig` from what ``plan``/``apply`` accept: a config, a dict of its
+    keys, or the path of a .yaml/.json file.
+
+    >>> as_config({"training_checkpoint_level": 2}).training_checkpoint_level
+    <Level.SMALL_BLOCK: 2>
+    """
     if isinstance(config, CheckpointConfig):
         return config
     if isinstance(config, (str, Path)):
@@ -297,7 +312,7 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
     ...
     vision_ckpt.errors.ConfigError: rules[0] (match='blocks.*' level=3) selects no module of ...
     """
-    cfg = _as_config(config)
+    cfg = as_config(config)
     if cfg.training_checkpoint_level == "auto":
         raise ConfigError(
             f"training_checkpoint_level 'auto' (memory_budget {cfg.memory_budget!r}) cannot be "

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vision_ckpt.apply import CheckpointPlan, apply, remove
+from vision_ckpt.apply import CheckpointPlan, apply, as_config, remove
 from vision_ckpt.config import CheckpointConfig
 from vision_ckpt.errors import ConfigError
 from vision_ckpt.levels import Level, parse_level
@@ -180,7 +180,7 @@ def enable_checkpointing(
         )
 
     if config is not None:
-        cfg = _as_config(config)
+        cfg = as_config(config)
         if cfg.training_checkpoint_level == "auto":
             if memory_budget is None:
                 memory_budget = cfg.memory_budget
@@ -221,19 +221,6 @@ def disable_checkpointing(model: nn.Module) -> int:
         if isinstance(model.__dict__.get(name), _RefuseHFCheckpointing):
             del model.__dict__[name]
     return remove(model)
-
-
-def _as_config(config: CheckpointConfig | Mapping[str, Any] | str | Path) -> CheckpointConfig:
-    if isinstance(config, CheckpointConfig):
-        return config
-    if isinstance(config, (str, Path)):
-        return CheckpointConfig.from_file(config)
-    if isinstance(config, Mapping):
-        return CheckpointConfig.model_validate(dict(config))
-    raise ConfigError(
-        f"config of type {type(config).__name__} is not a checkpoint config; pass a "
-        "CheckpointConfig, a dict of its keys, or the path of a .yaml/.json file."
-    )
 
 
 def _level_for_budget(

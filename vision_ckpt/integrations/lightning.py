@@ -63,7 +63,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         'pip install "vision_ckpt[lightning]" (the lightning package, 2.5 or newer).'
     ) from None
 
-from vision_ckpt.apply import CheckpointPlan, apply, remove
+from vision_ckpt.apply import CheckpointPlan, apply, as_config, remove
 from vision_ckpt.config import CheckpointConfig
 from vision_ckpt.errors import ConfigError
 from vision_ckpt.levels import Level, parse_level
@@ -169,7 +169,7 @@ class CheckpointingCallback(Callback):
                 "fits) or 'blocks' (a plan per block)."
             )
         if config is not None:
-            cfg = _as_config(config)
+            cfg = as_config(config)
             if cfg.training_checkpoint_level == "auto":
                 memory_budget = cfg.memory_budget
                 cfg = cfg.model_copy(
@@ -340,16 +340,3 @@ def _refuse_sharded(target: nn.Module, name: str) -> None:
                 "configure_model before fully_shard (vision_ckpt.apply(self.net, config)) "
                 "and leave this callback out."
             )
-
-
-def _as_config(config: CheckpointConfig | Mapping[str, Any] | str | Path) -> CheckpointConfig:
-    if isinstance(config, CheckpointConfig):
-        return config
-    if isinstance(config, (str, Path)):
-        return CheckpointConfig.from_file(config)
-    if isinstance(config, Mapping):
-        return CheckpointConfig.model_validate(dict(config))
-    raise ConfigError(
-        f"config of type {type(config).__name__} is not a checkpoint config; pass a "
-        "CheckpointConfig, a dict of its keys, or the path of a .yaml/.json file."
-    )
