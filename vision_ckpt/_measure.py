@@ -38,6 +38,7 @@ __all__ = [
     "measure_memory",
     "measure_flops",
     "measure_time",
+    "step_time",
     "following_global",
     "applied",
     "model_restored",
@@ -145,17 +146,19 @@ def measure_flops(work: Workload, x: torch.Tensor) -> int:
     return int(counter.get_total_flops())
 
 
+def step_time(work: Workload, x: torch.Tensor) -> float:
+    """Wall time of one training step on ``x`` (the device synchronised around it)."""
+    _sync(work.device)
+    start = time.perf_counter()
+    run_step(work, x)
+    _sync(work.device)
+    return time.perf_counter() - start
+
+
 def measure_time(work: Workload, x: torch.Tensor, steps: int) -> float:
     """Median wall time of ``steps`` training steps on ``x``, after one warm-up step."""
     run_step(work, x)  # warm-up
-    times = []
-    for _ in range(steps):
-        _sync(work.device)
-        start = time.perf_counter()
-        run_step(work, x)
-        _sync(work.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(step_time(work, x) for _ in range(steps))
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from ._measure import (
     default_loss,
     following_global,
     model_restored,
-    run_step,
+    step_time as measure_step_time,
 )
 from ._memory import count_saved_bytes, format_bytes
 from ._optimise import Block, Choice, Option, choose, predict
@@ -272,20 +272,6 @@ def _timed_forward(
     return times
 
 
-def _one_step_time(work: Workload, x: torch.Tensor) -> float:
-    """Seconds of one training step (the forwards just run on ``x`` warmed the model up)."""
-    _sync(work.device)
-    start = time.perf_counter()
-    run_step(work, x)
-    _sync(work.device)
-    return time.perf_counter() - start
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _strategy_config(
     base: CheckpointConfig,
     entries: Sequence[Any],
@@ -398,7 +384,7 @@ def _measure_menus(
             for n, v in _saved_by_block(work, x, names).items():
                 kept["keep"][n].append((b, v))
             times = _timed_forward(work, x, names, inner_all)
-            step_time.append((b, _one_step_time(work, x)))
+            step_time.append((b, measure_step_time(work, x)))  # warmed by the forwards above
         for s in ("selective", "full"):
             if s in menu or (s == "full" and "nested" in menu):
                 with applied(model, uniform[s]):
