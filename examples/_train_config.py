@@ -21,14 +21,23 @@ checkpoint config it embeds. Errors are :class:`vision_ckpt.ConfigError` naming 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vision_ckpt import CheckpointConfig, ConfigError
 
-__all__ = ["OptimizerConfig", "TrainConfig", "format_validation_error", "load_train_config"]
+__all__ = [
+    "OptimizerConfig",
+    "TrainConfig",
+    "format_validation_error",
+    "load_train_config",
+    "load_validated",
+]
+
+
+SchemaT = TypeVar("SchemaT", bound=BaseModel)
 
 
 class _Strict(BaseModel):
@@ -110,7 +119,9 @@ class TrainConfig(_Strict):
         return self
 
 
-def format_validation_error(exc: ValidationError, source: str) -> ConfigError:
+def format_validation_error(
+    exc: ValidationError, source: str, what: str = "training config"
+) -> ConfigError:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "config"
@@ -118,11 +129,13 @@ def format_validation_error(exc: ValidationError, source: str) -> ConfigError:
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         lines.append(f"{loc}: {msg}".replace("\n", " "))
-    return ConfigError(f"invalid training config ({source}):\n  " + "\n  ".join(lines))
+    return ConfigError(f"invalid {what} ({source}):\n  " + "\n  ".join(lines))
 
 
-def load_train_config(source: str | Path | dict[str, Any]) -> TrainConfig:
-    """Validate a training config given as a YAML file path or as a dict.
+def load_validated(
+    schema: type[SchemaT], source: str | Path | dict[str, Any], what: str = "training config"
+) -> SchemaT:
+    """Validate ``source`` (a YAML file path or a dict) against the pydantic ``schema``.
 
     Raises:
         ConfigError: the file is missing or does not parse, or a key is unknown or invalid;
@@ -137,15 +150,25 @@ def load_train_config(source: str | Path | dict[str, Any]) -> TrainConfig:
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-            raise ConfigError(f"training config {where!r} cannot be read: {exc}") from None
+            raise ConfigError(f"{what} {where!r} cannot be read: {exc}") from None
         if data is None:
             data = {}
     if not isinstance(data, dict):
         raise ConfigError(
-            f"training config {where!r} holds a {type(data).__name__}, expected a mapping of "
-            f"keys ({', '.join(TrainConfig.model_fields)})"
+            f"{what} {where!r} holds a {type(data).__name__}, expected a mapping of "
+            f"keys ({', '.join(schema.model_fields)})"
         )
     try:
-        return TrainConfig.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as exc:
-        raise format_validation_error(exc, where) from None
+        raise format_validation_error(exc, where, what) from None
+
+
+def load_train_config(source: str | Path | dict[str, Any]) -> TrainConfig:
+    """Validate a training config given as a YAML file path or as a dict.
+
+    Raises:
+        ConfigError: the file is missing or does not parse, or a key is unknown or invalid;
+            the message names the key.
+    """
+    return load_validated(TrainConfig, source)

@@ -39,11 +39,10 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-import yaml
-from _train_config import OptimizerConfig, format_validation_error
+from _train_config import OptimizerConfig, load_validated
 from monai.losses import DiceCELoss
 from monai.networks import nets
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -163,24 +162,7 @@ def load_config(source: str | Path | dict[str, Any]) -> Train3DConfig:
         ConfigError: the file is missing or does not parse, or a key is unknown or invalid;
             the message names the key.
     """
-    if isinstance(source, dict):
-        data: Any = source
-        where = "dict"
-    else:
-        where = str(source)
-        try:
-            data = yaml.safe_load(Path(source).read_text(encoding="utf-8")) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-            raise ConfigError(f"training config {where!r} cannot be read: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"training config {where!r} holds a {type(data).__name__}, expected a mapping of "
-            f"keys ({', '.join(Train3DConfig.model_fields)})"
-        )
-    try:
-        return Train3DConfig.model_validate(data)
-    except ValidationError as exc:
-        raise format_validation_error(exc, where) from None
+    return load_validated(Train3DConfig, source)
 
 
 def build_model(

@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
-from _train_config import TrainConfig
-from pydantic import Field, ValidationError, model_validator
+from _train_config import TrainConfig, load_validated
+from pydantic import Field, model_validator
 from rich.console import Console
 from torch import nn
 from train_timm import (
@@ -107,32 +106,7 @@ def load_segmentation_config(source: str | Path | dict[str, Any]) -> Segmentatio
         ConfigError: the file is missing or does not parse, or a key is unknown or invalid;
             the message names the key.
     """
-    where = "dict"
-    data: Any = source
-    if not isinstance(source, dict):
-        where = str(source)
-        try:
-            data = yaml.safe_load(Path(source).read_text(encoding="utf-8")) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-            raise vision_ckpt.ConfigError(
-                f"training config {where!r} cannot be read: {exc}"
-            ) from None
-    if not isinstance(data, dict):
-        raise vision_ckpt.ConfigError(
-            f"training config {where!r} holds a {type(data).__name__}, expected a mapping of "
-            f"keys ({', '.join(SegmentationConfig.model_fields)})"
-        )
-    try:
-        return SegmentationConfig.model_validate(data)
-    except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "config"
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            lines.append(f"{loc}: {msg.removeprefix('Value error, ')}".replace("\n", " "))
-        raise vision_ckpt.ConfigError(
-            f"invalid segmentation training config ({where}):\n  " + "\n  ".join(lines)
-        ) from None
+    return load_validated(SegmentationConfig, source, "segmentation training config")
 
 
 def build_model(cfg: SegmentationConfig, device: torch.device | str = "cpu") -> nn.Module:
