@@ -41,6 +41,7 @@ __all__ = [
     "remove",
     "apply_preset",
     "as_config",
+    "self_checkpointing",
 ]
 
 ConfigLike = CheckpointConfig | Mapping[str, Any] | str | Path
@@ -565,15 +566,26 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
     return the_plan
 
 
+def self_checkpointing(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that checkpoint themselves: Hugging Face's own
+    switch sets ``gradient_checkpointing = True`` on each layer it checkpoints.
+
+    >>> import torch
+    >>> self_checkpointing(torch.nn.Linear(2, 2))
+    []
+    """
+    return [
+        n or "(the model)"
+        for n, m in model.named_modules()
+        if getattr(m, "gradient_checkpointing", False) is True
+    ]
+
+
 def _refuse_a_second_checkpointer(model: nn.Module) -> None:
     """Hugging Face models checkpoint their layers themselves when ``gradient_checkpointing`` is
     on; our regions inside and around theirs would be recomputed in one of torch's runs of a
     layer and not in the other (torch then fails at backward). One checkpointer at a time."""
-    on = [
-        n or "(the model)"
-        for n, m in model.named_modules()
-        if m.__dict__.get("gradient_checkpointing") is True
-    ]
+    on = self_checkpointing(model)
     if on:
         raise ConfigError(
             f"{type(model).__name__} checkpoints itself: gradient_checkpointing is on in "

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vision_ckpt.apply import CheckpointPlan, apply, as_config, remove
+from vision_ckpt.apply import CheckpointPlan, apply, as_config, remove, self_checkpointing
 from vision_ckpt.config import CheckpointConfig
 from vision_ckpt.errors import ConfigError
 from vision_ckpt.levels import Level, parse_level
@@ -97,7 +97,7 @@ def hf_checkpointing_on(model: nn.Module) -> bool:
     >>> hf_checkpointing_on(torch.nn.Linear(2, 2))
     False
     """
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    return bool(self_checkpointing(model))
 
 
 def enable_checkpointing(
