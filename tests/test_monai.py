@@ -332,7 +332,7 @@ def test_train_3d_checkpointed_run_has_the_losses_of_the_plain_run(train_3d) -> 
     assert plain.losses == top.losses == own.losses
     assert all(math.isfinite(v) for v in plain.losses)
     assert top.saved_bytes < own.saved_bytes < plain.saved_bytes
-    assert top.saved_bytes < plain.saved_bytes / 10
+    assert top.saved_bytes < plain.saved_bytes / 4  # level 5 is level 3: the Swin blocks
     assert top.peak_bytes < own.peak_bytes < plain.peak_bytes
 
 
