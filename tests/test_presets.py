@@ -118,7 +118,7 @@ def _selected(rule: LevelRule, model: nn.Module) -> list[str]:
 @pytest.mark.parametrize("path", PRESET_FILES, ids=[p.stem for p in PRESET_FILES])
 def test_preset_file_validates(path: Path) -> None:
     preset = PresetFile.from_file(path)
-    assert preset.rules, "a preset without rules says nothing"
+    assert preset.rules or preset.family.parts, "a preset without rules or parts says nothing"
     assert preset.family.classes or preset.family.architectures, "a preset names its models"
     assert preset.family.written_for, "a preset says which library version it was read from"
     assert load_preset(path.stem) == CheckpointConfig(rules=preset.rules)
@@ -263,7 +263,7 @@ def test_register_preset(scratch_registry, tmp_path: Path) -> None:
 def test_register_preset_rejects_nested_presets(scratch_registry) -> None:
     with pytest.raises(ConfigError, match=r"sets 'preset: vit'; a preset holds rules only"):
         register_preset("bad", CheckpointConfig(preset="vit", rules=[{"match": "x", "level": 1}]))
-    with pytest.raises(ConfigError, match=r"preset 'empty' has no rules"):
+    with pytest.raises(ConfigError, match=r"preset 'empty' has no rules and no parts"):
         register_preset("empty", CheckpointConfig())
 
 
@@ -277,6 +277,56 @@ def test_preset_rules_labels_and_drops_rules_that_select_nothing() -> None:
     assert [o for _, o in pairs] == [f"preset resnet #{i}" for i in range(1, len(cfg.rules))]
     assert [r for r, _ in pairs] == list(cfg.rules[1:])
     assert preset_rules(model, "auto") == pairs
+
+
+_FEATURE_ARCHS = [
+    "resnet18",
+    "convnext_atto",
+    "efficientnet_b0",
+    "mobilenetv3_small_050",
+    "densenet121",
+    "swin_tiny_patch4_window7_224",
+]
+
+
+@pytest.mark.parametrize("arch", _FEATURE_ARCHS)
+def test_timm_feature_wrapper_takes_its_architectures_preset(arch: str) -> None:
+    """``features_only=True`` returns a wrapper of another class (FeatureListNet,
+    EfficientNetFeatures, ...) in which FeatureListNet lifts a top-level Sequential's children
+    to ``a_b``: every module the wrapper kept gets the levels the preset gives it in the
+    original model, under the wrapper's names."""
+    original = timm.create_model(arch, pretrained=False)
+    features = timm.create_model(arch, pretrained=False, features_only=True)
+    assert type(features) is not type(original)
+    assert preset_for_model(features) == preset_for_model(original) is not None
+    lifted = {n for n, _ in features.named_children()} - {n for n, _ in original.named_children()}
+
+    def original_name(name: str) -> str:
+        head, dot, rest = name.partition(".")
+        return head.replace("_", ".", 1) + dot + rest if head in lifted else name
+
+    kept = {original_name(n) for n, _ in features.named_modules()}
+    cfg = CheckpointConfig(training_checkpoint_level=5, preset="auto")
+
+    def rungs(entries) -> dict[str, list[tuple[int, str]]]:
+        return {e.name: [(int(r.level), r.strategy) for r in e.rungs] for e in entries}
+
+    want = {n: r for n, r in rungs(plan(original, cfg)).items() if n in kept}
+    got = {original_name(n): r for n, r in rungs(plan(features, cfg)).items()}
+    assert got == want
+    assert len({lv for r in got.values() for lv, _ in r}) >= 3  # not a near-empty plan
+    if lifted:  # the rules were rewritten for the lifted names and say so
+        origins = {e.origin for e in plan(features, cfg)}
+        assert all(o.endswith("(timm features)") for o in origins), origins
+
+
+def test_timm_feature_wrapper_exact_names_where_no_glob_fits() -> None:
+    """A whole-model class rule selects the wrapper itself (``re:^$``)."""
+    features = timm.create_model("efficientnet_b0", pretrained=False, features_only=True)
+    rules = {r.level: r for r, _ in preset_rules(features, "auto")}
+    assert rules[5].match == "re:^$" and rules[5].match_type is None
+    p = plan(features, CheckpointConfig(training_checkpoint_level=5, preset="auto"))
+    assert "" in p.checkpointed
 
 
 def test_preset_that_selects_nothing_is_an_error() -> None:

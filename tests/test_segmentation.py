@@ -138,8 +138,15 @@ SMP_CASES = [
         32,
         "smp_unet",
     ),
-    # a timm encoder: TimmUniversalEncoder has no preset, the fallback gives it its levels
+    # timm encoders: TimmUniversalEncoder -> smp_timm_universal -> the timm preset of the
+    # architecture, rewritten for the feature wrapper's names
     Case("smp_unet:tu-resnet18", _smp("Unet", "tu-resnet18", **_U5), 64, "smp_unet"),
+    Case(
+        "smp_unet:tu-efficientnet_b0",
+        _smp("Unet", "tu-efficientnet_b0", **_U5, drop_path_rate=0.1),
+        32,
+        "smp_unet",
+    ),
     Case(
         "smp_unetplusplus:resnet18-depth4",
         _smp("UnetPlusPlus", "resnet18", 4, decoder_channels=(16, 16, 16, 16)),
@@ -249,7 +256,8 @@ def test_torchvision_family(case: Case, core_calls: list[Any]) -> None:
 # Every preset has models, and every rule selects modules in one of them
 # --------------------------------------------------------------------------------------------
 
-_ORIGIN = re.compile(r"preset (\w+) #(\d+)$")
+_ORIGIN = re.compile(r"preset (\w+) #(\d+)(?: \(timm features\))?$")
+_PRESET = re.compile(r"preset (\w+)")
 
 
 def _used_rules(case: Case) -> set[tuple[str, int]]:
@@ -280,6 +288,12 @@ def test_every_segmentation_preset_has_a_family_model(used_rules) -> None:
     assert ours >= {"smp_unet", "smp_unetplusplus", "smp_fpn", "smp_deeplabv3plus"}
     assert ours >= {"smp_segformer", "tvseg_deeplabv3", "tvseg_fcn", "tvseg_lraspp"}
     reached = {c.preset for c in CASES} | {preset for preset, _ in used_rules}
+    reached |= {  # a preset of parts only (smp_timm_universal) appears in the origin labels
+        name
+        for case in CASES
+        for _, origin in preset_rules(case.make(), "auto")
+        for name in _PRESET.findall(origin)
+    }
     assert ours <= reached, sorted(ours - reached)
 
 
@@ -292,33 +306,21 @@ def test_every_rule_selects_modules_in_a_family_model(preset: str, used_rules) -
 
 def test_smp_encoders_resolve_to_their_own_family() -> None:
     """ResNetEncoder subclasses torchvision's ResNet; the MiT encoder has smp_mit; a timm
-    encoder's feature wrapper has no preset (the fallback covers it: docs/segmentation.md)."""
+    encoder holds timm's feature wrapper, which resolves to its architecture's timm preset."""
     pytest.importorskip("segmentation_models_pytorch")
     unet = _smp("Unet", "resnet18", **_U5)()
     assert preset_for_model(unet.encoder) == "tv_resnet"
     segformer = _smp("Segformer", "mit_b0", decoder_segmentation_channels=32)()
     assert preset_for_model(segformer.encoder) == "smp_mit"
     tu = _smp("Unet", "tu-resnet18", **_U5)()
-    assert preset_for_model(tu.encoder) is None
-    assert preset_for_model(tu.encoder.model) is None  # timm's FeatureListNet
+    assert preset_for_model(tu.encoder) == "smp_timm_universal"
+    assert preset_for_model(tu.encoder.model) == "resnet"  # timm's FeatureListNet
     origins = {o for _, o in preset_rules(tu, "auto")}
-    assert "preset smp_unet encoder: fallback" in origins
-
-
-def test_timm_feature_wrapper_renames_top_level_sequentials() -> None:
-    """What keeps timm's presets from applying to a `tu-` encoder as they are: timm's
-    FeatureListNet lifts the children of a top-level Sequential to its own level, joined with
-    '_' (convnext's ``stages.0`` is ``stages_0``, its ``stem`` Sequential is gone), and the
-    wrapper's class is not the model's. ResNet, which has no top-level Sequential of layers
-    flattened, keeps its names."""
-    pytest.importorskip("segmentation_models_pytorch")
-    convnext = _smp("FPN", "tu-convnext_atto")().encoder.model
-    names = [n for n, _ in convnext.named_children()]
-    assert names[:3] == ["stem_0", "stem_1", "stages_0"]
-    assert convnext.pretrained_cfg["architecture"] == "convnext_atto"
-    assert not any(n == "stages" or n.startswith("stages.") for n, _ in convnext.named_modules())
-    resnet = _smp("Unet", "tu-resnet18", **_U5)().encoder.model
-    assert [n for n, _ in resnet.named_children()][-2:] == ["layer3", "layer4"]
+    assert (
+        "preset smp_unet encoder: preset smp_timm_universal model: preset resnet #2 "
+        "(timm features)" in origins
+    )
+    assert not any("fallback" in o for o in origins)
 
 
 def test_plan_names_each_part_preset() -> None:

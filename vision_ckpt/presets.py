@@ -26,6 +26,22 @@ apart) and, optionally, an ``fnmatch`` pattern on timm's architecture name
    without, and among patterns the one with more literal characters wins. Two presets whose
    best selectors are equally specific are a tie, which is an error, never a guess.
 
+# NOTE [ timm feature wrappers ]
+
+``timm.create_model(name, features_only=True)`` (what smp's ``tu-`` encoders hold) returns a
+wrapper that no preset names (``FeatureListNet``, ``EfficientNetFeatures``, ...), marked by a
+``feature_info`` that is a ``FeatureInfo`` rather than a list. Its architecture is still in its
+``pretrained_cfg``, so the model it came from is built once per architecture on the meta device
+(no memory, no weights) and the wrapper resolves to that model's preset. ``FeatureListNet``
+lifts the children of a top-level ``Sequential`` ``a`` to its own level as ``a_b``; every
+other name is the original one. A rule is evaluated on the wrapper's modules under their
+original names (the wrapper itself standing for the original model), so it selects exactly
+the modules it would select in the original, minus what the wrapper dropped (the head, the
+lifted containers). It is kept as written when it selects the same modules under the wrapper's
+own names, rewritten for lifted names (``stages.*.blocks.*`` -> ``stages_*.blocks.*``) when
+that selects them, and otherwise replaced by the exact list of names; the origin says
+``(timm features)``.
+
 # NOTE [ Preset rules that select nothing ]
 
 A family's preset is written for all its members, and members differ: ResNet-D has a ``conv1``
@@ -41,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import importlib.metadata
 import re
 import warnings
@@ -48,6 +65,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from .config import CheckpointConfig, LevelRule, PresetFamily, PresetFile
@@ -179,7 +197,7 @@ def register_preset(
     if isinstance(config, PresetFile):
         family = config.family
         config = CheckpointConfig(rules=config.rules)
-        _check_preset_config(key, config, source=None)
+        _check_preset_config(key, config, source=None, parts=bool(family.parts))
         _registered_families[key] = family
     elif isinstance(config, CheckpointConfig):
         _check_preset_config(key, config, source=None)
@@ -201,7 +219,7 @@ def register_preset(
 def _read_preset_file(name: str, path: Path) -> tuple[CheckpointConfig, PresetFamily]:
     preset = PresetFile.from_file(path)
     config = CheckpointConfig(rules=preset.rules)
-    _check_preset_config(name, config, source=str(path))
+    _check_preset_config(name, config, source=str(path), parts=bool(preset.family.parts))
     return config, preset.family
 
 
@@ -285,15 +303,20 @@ def _load(name: str) -> tuple[CheckpointConfig, PresetFamily]:
     return loaded
 
 
-def _check_preset_config(name: str, config: CheckpointConfig, source: str | None) -> None:
+def _check_preset_config(
+    name: str, config: CheckpointConfig, source: str | None, parts: bool = False
+) -> None:
     where = f" ({source})" if source else ""
     if config.preset is not None:
         raise ConfigError(
             f"preset {name!r}{where} sets 'preset: {config.preset}'; a preset holds rules only "
             "and cannot start from another preset. Copy the rules you need instead."
         )
-    if not config.rules:
-        raise ConfigError(f"preset {name!r}{where} has no rules; give it at least one rule.")
+    if not config.rules and not parts:
+        raise ConfigError(
+            f"preset {name!r}{where} has no rules and no parts; give it at least one rule, or "
+            "name the parts (family: parts:) whose presets give its levels."
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,7 +374,28 @@ def preset_for_model(model: Any) -> str | None:
                 "architecture pattern."
             )
         return winners[0]
-    return None
+    original = _timm_original(model)
+    return preset_for_model(original) if original is not None else None
+
+
+def _timm_original(model: Any) -> nn.Module | None:
+    """For a timm feature wrapper, the model it was built from (on the meta device); else
+    ``None``. See NOTE [ timm feature wrappers ]."""
+    if type(getattr(model, "feature_info", None)).__name__ != "FeatureInfo":
+        return None
+    arch = _architecture(model)
+    return _meta_model(arch) if arch is not None else None
+
+
+@functools.lru_cache(maxsize=32)
+def _meta_model(architecture: str) -> nn.Module | None:
+    import timm
+
+    try:
+        with torch.device("meta"):
+            return timm.create_model(architecture, pretrained=False)
+    except Exception:  # an architecture timm cannot build bare: the wrapper takes the fallback
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,8 +460,13 @@ def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
             for rule, origin in preset_rules(submodule, part_preset)
         ]
     modules = _named_modules(model)
-    own = [(i, rule) for i, rule in enumerate(config.rules) if _selects_any(rule, modules)]
-    out += [(rule, f"preset {name} #{i}") for i, rule in own]
+    original = _timm_original(model)
+    if original is None:
+        own = [(i, rule) for i, rule in enumerate(config.rules) if _selects_any(rule, modules)]
+        out += [(rule, f"preset {name} #{i}") for i, rule in own]
+    else:
+        own = _wrapper_rules(config.rules, modules, original)
+        out += [(rule, f"preset {name} #{i} (timm features)") for i, rule in own]
     if not out:
         children = ", ".join(n for n, _ in model.named_children()) or "(none)"
         suggestion = preset_for_model(model)
@@ -434,13 +483,81 @@ def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
     return out
 
 
+def _wrapper_rules(
+    rules: Iterable[LevelRule], modules: list[tuple[str, Any]], original: nn.Module
+) -> list[tuple[int, LevelRule]]:
+    """The rules of the original model's preset, made to select in a timm feature wrapper what
+    they select in the original (NOTE [ timm feature wrappers ]), with their indices."""
+    wrapper = modules[0][1]
+    lifted = {
+        f"{name}_{child}": f"{name}.{child}"
+        for name, container in original.named_children()
+        if isinstance(container, nn.Sequential)
+        for child, _ in container.named_children()
+        if f"{name}_{child}" in wrapper._modules and f"{name}_{child}" not in original._modules
+    }
+
+    def original_name(name: str) -> str:
+        head, dot, rest = name.partition(".")
+        return lifted[head] + dot + rest if head in lifted else name
+
+    out = []
+    for i, rule in enumerate(rules):
+        matcher = ModuleMatcher(rule.match, rule.match_type)
+        wanted = [
+            name
+            for name, module in modules
+            if matcher.matches(
+                original_name(name),
+                type(original if not name else module).__name__,
+                qualified_class_name(original if not name else module),
+            )
+        ]
+        if not wanted:
+            continue
+        for candidate in (rule, _lifted_rule(rule, {n.partition(".")[0] for n in lifted.values()})):
+            if candidate is not None and _selected(candidate, modules) == wanted:
+                out.append((i, candidate))
+                break
+        else:
+            exact = [exact_name_pattern(n) for n in wanted]
+            match = exact[0] if len(exact) == 1 else "re:" + "|".join(map(re.escape, wanted))
+            out.append((i, rule.model_copy(update={"match": match, "match_type": None})))
+    return out
+
+
+def _lifted_rule(rule: LevelRule, containers: set[str]) -> LevelRule | None:
+    """``rule`` with its first two name components joined when the first is a lifted
+    container (``stages.*.blocks.*`` -> ``stages_*.blocks.*``), else ``None``."""
+    if rule.match is None or rule.match.startswith("re:"):
+        return None
+    head, _, rest = rule.match.partition(".")
+    if head not in containers or not rest or rest.startswith("**"):
+        return None
+    second, dot, tail = rest.partition(".")
+    return rule.model_copy(update={"match": f"{head}_{second}{dot}{tail}"})
+
+
+def _selected(rule: LevelRule, modules: list[tuple[str, Any]]) -> list[str]:
+    matcher = ModuleMatcher(rule.match, rule.match_type)
+    return [
+        name
+        for name, module in modules
+        if matcher.matches(name, type(module).__name__, qualified_class_name(module))
+    ]
+
+
 def _under(part: str, rule: LevelRule) -> LevelRule:
     """``rule`` of a part's preset, made to select the same modules under ``part``."""
     prefix = re.escape(part)
     if rule.match is None:  # a class rule: the part itself or anything below it
         match = rf"re:{prefix}(?:\..+)?"
     elif rule.match.startswith("re:"):
-        match = rf"re:{prefix}\.(?:{rule.match[3:]})"
+        body = rule.match[3:]
+        if re.fullmatch(body, ""):  # the rule also selects the part's root itself
+            match = rf"re:{prefix}(?:\.(?:{body}))?"
+        else:
+            match = rf"re:{prefix}\.(?:{body})"
     elif all(re.fullmatch(r"[A-Za-z0-9_\-]+", p) for p in part.split(".")):
         match = f"{part}.{rule.match}"
     else:  # a part name a glob component cannot hold: translate the glob instead
