@@ -2,6 +2,7 @@
 
 - the dynamic program is exact for its model: on random menus it finds a plan as fast as
   exhaustive search (within the rounding of its byte grid), and every answer fits;
+- with stages (a run of blocks as one unit) on the menu, the same holds;
 - on a real 6-block model, the plan's predicted time is within 3% of the best plan exhaustive
   search finds over the same measured menu;
 - the plan's config runs exactly the chosen strategies, exactly (gradients equal), and fits;
@@ -21,7 +22,7 @@ from _models import TinyViT
 import vision_ckpt
 from vision_ckpt import CheckpointConfig, ConfigError
 from vision_ckpt._memory import track_peak_memory
-from vision_ckpt._optimise import Block, Option, choose, choose_exhaustively, predict
+from vision_ckpt._optimise import Block, Option, Span, choose, choose_exhaustively, predict
 from vision_ckpt.cli import main
 from vision_ckpt.profile import default_loss, plan_for_budget, planner_frontier, resolve_auto
 
@@ -70,6 +71,49 @@ def test_the_program_matches_exhaustive_search(seed: int) -> None:
     assert found.peak <= budget and found.peak == predict(blocks, found.options, base)[0]
     assert found.time <= exact.time * 1.03 + 1e-9
     assert smallest <= everything
+
+
+def _random_spans(rng: random.Random, blocks: list[Block]) -> list[Span]:
+    spans = []
+    for _ in range(rng.randint(0, 3)):
+        if len(blocks) < 2:
+            break
+        first = rng.randrange(len(blocks) - 1)
+        last = rng.randrange(first + 1, len(blocks))
+        keep = sum(b.options[0].kept for b in blocks[first : last + 1])
+        kept = rng.randint(keep // 5, keep)
+        option = Option("stage", kept, keep - kept, rng.uniform(0.01, 0.5))
+        spans.append(Span(f"s{first}-{last}", first, last, option))
+    return spans
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_program_with_spans_matches_exhaustive_search(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    blocks = _random_blocks(rng, rng.randint(2, 6))
+    spans = _random_spans(rng, blocks)
+    base = rng.randint(0, 200)
+    everything = predict(blocks, [b.options[0] for b in blocks], base)[0]
+    budget = rng.randint(base, everything + 10)
+    exact = choose_exhaustively(blocks, base, budget, spans)
+    found = choose(blocks, base, budget, resolution=4096, spans=spans)
+    if exact is None or found is None:
+        assert found is None or exact is not None
+        if found is None and exact is not None:  # within one grid step per block
+            assert exact.peak > budget - len(blocks) * max(1, (budget - base) // 4096)
+        return
+    assert found.peak <= budget and found.peak == predict(blocks, found.options, base)[0]
+    assert found.time <= exact.time * 1.03 + 1e-9
+    for span in found.spans:  # a chosen span's blocks carry its strategy, its price once
+        members = found.options[span.first : span.last + 1]
+        assert members[0] == span.option
+        assert all(o.strategy == "stage" and o.kept == o.time == 0 for o in members[1:])
+
+
+def test_spans_must_cover_two_blocks() -> None:
+    blocks = [Block("a", (Option("keep", 10, 0, 0.0),))] * 2
+    with pytest.raises(ValueError, match="span 'x' covers blocks 1..1"):
+        choose(blocks, 0, 100, spans=[Span("x", 1, 1, Option("stage", 1, 1, 0.1))])
 
 
 def test_the_program_says_when_nothing_fits() -> None:
@@ -184,6 +228,52 @@ def test_each_strategy_alone_is_exact(strategies: tuple[str, ...], share: float)
     default_loss(model(x)).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+def _resnet18() -> torch.nn.Module:
+    import timm
+
+    torch.manual_seed(0)
+    return timm.create_model("resnet18", pretrained=False, num_classes=10).train()
+
+
+def test_stage_strategy_runs_whole_stages_selective_exactly_and_fits() -> None:
+    """A ResNet stage as one selective region also recomputes what its blocks pass each other
+    (per-block regions keep it as their inputs): the planner offers it and its plan is exact."""
+    model, x = _resnet18(), torch.randn(2, 3, 64, 64)
+    target = torch.randn(48, 3, 64, 64)
+    stages = {"match": "layer*", "level": 1, "strategy": "selective"}
+    peaks = {}
+    for level in (0, 1):  # level 1: every stage selective
+        vision_ckpt.apply(model, CheckpointConfig(training_checkpoint_level=level, rules=[stages]))
+        peaks[level] = _peak(model, target)
+        vision_ckpt.remove(model)
+    budget = int(peaks[1] + 0.5 * (peaks[0] - peaks[1]))  # (margin 0: the two are 6% apart)
+    result = plan_for_budget(model, x, budget, batch_size=48, strategies=("stage",), margin=0)
+    assert result.config is not None, result.explain()
+    assert result.stages and set(result.stages) <= {"layer1", "layer2", "layer3", "layer4"}
+    assert [c["name"] for c in result.stage_candidates] == ["layer1", "layer2", "layer3", "layer4"]
+    assert "selective stage(s)" in result.explain()
+    members = {n for n, s in result.strategies.items() if s == "stage"}
+    assert members == {n for n in result.strategies if n.split(".")[0] in result.stages}
+    plan = vision_ckpt.plan(model, result.config)
+    assert set(plan.checkpointed) == set(result.stages)
+    assert all(
+        plan[n].rung_at(int(plan.training_level)).strategy == "selective" for n in result.stages
+    )
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    default_loss(reference(x)).backward()
+    vision_ckpt.apply(model, result.config)
+    try:
+        torch.manual_seed(1)
+        default_loss(model(x)).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+        model.zero_grad(set_to_none=True)
+        assert _peak(model, target) <= budget
+    finally:
+        vision_ckpt.remove(model)
 
 
 def test_unknown_strategies_and_impossible_budgets_are_reported() -> None:

@@ -7,14 +7,13 @@ checks the answer on the model.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Option", "Block", "Choice", "choose", "predict", "choose_exhaustively"]
+__all__ = ["Option", "Block", "Span", "Choice", "choose", "predict", "choose_exhaustively"]
 
 
 @dataclass(frozen=True)
@@ -41,15 +40,32 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Span:
+    """An option for a run of consecutive blocks as one region (a stage run selective)."""
+
+    name: str
+    """The module that holds the run."""
+    first: int
+    """Index of its first block in the chain."""
+    last: int
+    """Index of its last block (inclusive)."""
+    option: Option
+    """Its price, for the whole run (the figures are the run's, not one block's)."""
+
+
+@dataclass(frozen=True)
 class Choice:
     """The answer of :func:`choose`: an option per block, with the model's prediction."""
 
     options: tuple[Option, ...]
-    """One per block, in the blocks' order."""
+    """One per block, in the blocks' order. A block inside a chosen span has the span's option
+    on its first block and, on the others, the same strategy at no bytes and no time."""
     peak: int
     """Predicted step peak (``base`` included)."""
     time: float
     """Predicted extra seconds per step."""
+    spans: tuple[Span, ...] = ()
+    """The chosen spans."""
 
 
 # NOTE [ One strategy per block ]
@@ -78,6 +94,11 @@ class Choice:
 # transient(o) fits. Rounding up keeps every answer feasible; it can miss plans within one grid
 # step of the budget per block. Cost O(n * options * resolution), vectorised.
 #
+# Spans. A run of consecutive blocks Bi..Bj may also be offered as one unit (a stage run as one
+# selective region, which keeps less than its blocks run selective one by one: their boundaries
+# are recomputed too). It is priced like a block, and the program moves from block i straight
+# to block j + 1 with it; spans may overlap one another as alternatives, never a chosen one.
+#
 # Assumptions, checked by measuring the answer (the planner corrects the budget and solves again
 # when the measured peak is over): kept bytes of neighbouring blocks add up (a tensor two blocks
 # both save is counted once, for the first); the forward peak is below the backward one; time
@@ -99,8 +120,27 @@ def predict(blocks: Sequence[Block], options: Sequence[Option], base: int) -> tu
     return base + max(prefix, worst), total
 
 
+def _members(span: Span) -> list[Option]:
+    """The options a chosen span puts on its blocks (see :class:`Choice`)."""
+    rest = Option(span.option.strategy, 0, 0, 0.0)
+    return [span.option] + [rest] * (span.last - span.first)
+
+
+def _check_spans(blocks: Sequence[Block], spans: Sequence[Span]) -> None:
+    for span in spans:
+        if not 0 <= span.first < span.last < len(blocks):
+            raise ValueError(
+                f"span {span.name!r} covers blocks {span.first}..{span.last}; a span covers two "
+                f"or more of the {len(blocks)} blocks"
+            )
+
+
 def choose(
-    blocks: Sequence[Block], base: int, budget: int, resolution: int = 4096
+    blocks: Sequence[Block],
+    base: int,
+    budget: int,
+    resolution: int = 4096,
+    spans: Sequence[Span] = (),
 ) -> Choice | None:
     """The fastest option per block whose predicted peak fits ``budget``; ``None`` if none fits.
 
@@ -115,57 +155,96 @@ def choose(
     (['sel', 'sel', 'keep'], 22)
     >>> choose(blocks, base=0, budget=5) is None
     True
+    >>> stage = Span("stage", 0, 1, Option("stage", 8, 6, 0.15))
+    >>> c = choose(blocks, base=0, budget=22, spans=[stage])
+    >>> [o.strategy for o in c.options], c.peak, [s.name for s in c.spans]
+    (['stage', 'stage', 'keep'], 18, ['stage'])
     """
+    _check_spans(blocks, spans)
     room = budget - base
     if room < 0 or not blocks:
         return None
     unit = max(1, math.ceil(room / resolution))
     size = room // unit + 1
-    inf = math.inf
-    best = np.full(size, inf)
-    best[0] = 0.0
-    picks: list[np.ndarray] = []  # per block: the option index that reached each prefix
-    for block in blocks:
-        nxt = np.full(size, inf)
-        pick = np.full(size, -1, dtype=np.int64)
+    n = len(blocks)
+    unset = np.iinfo(np.int64).min
+    best = [np.full(size, math.inf) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    # picks[j][p]: how prefix p after j blocks was reached: k >= 0 is option k of block j - 1,
+    # -(s + 1) is spans[s]
+    picks = [np.full(size, unset, dtype=np.int64) for _ in range(n + 1)]
+    starting: dict[int, list[int]] = {}
+    for s, span in enumerate(spans):
+        starting.setdefault(span.first, []).append(s)
+
+    def relax(i: int, j: int, option: Option, code: int) -> None:
+        step = math.ceil(option.kept / unit)
+        extra = math.ceil(option.transient / unit)
+        last = size - 1 - step - extra  # from prefix p: p + step + extra <= size - 1
+        if last < 0:
+            return
+        cand = best[i][: last + 1] + option.time
+        target = best[j][step : step + last + 1]
+        better = cand < target
+        target[better] = cand[better]
+        picks[j][step : step + last + 1][better] = code
+
+    for i, block in enumerate(blocks):
+        if not np.isfinite(best[i]).any():
+            continue
         for k, option in enumerate(block.options):
-            step = math.ceil(option.kept / unit)
-            extra = math.ceil(option.transient / unit)
-            # from prefix p: new prefix p + step, needs p + step + extra <= size - 1
-            last = size - 1 - step - extra
-            if last < 0:
-                continue
-            cand = best[: last + 1] + option.time
-            target = nxt[step : step + last + 1]
-            better = cand < target
-            target[better] = cand[better]
-            pick[step : step + last + 1][better] = k
-        picks.append(pick)
-        best = nxt
-    if not np.isfinite(best).any():
+            relax(i, i + 1, option, k)
+        for s in starting.get(i, ()):
+            relax(i, spans[s].last + 1, spans[s].option, -(s + 1))
+    if not np.isfinite(best[n]).any():
         return None
-    p = int(np.argmin(best))
-    chosen: list[Option] = []
-    for block, pick in zip(reversed(blocks), reversed(picks), strict=True):
-        k = int(pick[p])
-        option = block.options[k]
-        chosen.append(option)
+    p, j = int(np.argmin(best[n])), n
+    chosen: list[Option] = [blocks[0].options[0]] * n
+    taken: list[Span] = []
+    while j > 0:
+        code = int(picks[j][p])
+        if code >= 0:
+            option = blocks[j - 1].options[code]
+            chosen[j - 1] = option
+            j -= 1
+        else:
+            span = spans[-code - 1]
+            option = span.option
+            chosen[span.first : span.last + 1] = _members(span)
+            taken.append(span)
+            j = span.first
         p -= math.ceil(option.kept / unit)
-    chosen.reverse()
     peak, time = predict(blocks, chosen, base)
-    return Choice(tuple(chosen), peak, time)
+    return Choice(tuple(chosen), peak, time, tuple(reversed(taken)))
 
 
-def choose_exhaustively(blocks: Sequence[Block], base: int, budget: int) -> Choice | None:
+def choose_exhaustively(
+    blocks: Sequence[Block], base: int, budget: int, spans: Sequence[Span] = ()
+) -> Choice | None:
     """The same problem by trying every combination (for checking :func:`choose`; small chains).
 
     >>> keep, full = Option("keep", 10, 0, 0.0), Option("full", 2, 8, 1.0)
     >>> choose_exhaustively([Block("a", (keep, full))] * 2, base=0, budget=12).time
     1.0
     """
+    _check_spans(blocks, spans)
+
+    def ways(i: int) -> list[tuple[list[Option], list[Span]]]:
+        if i == len(blocks):
+            return [([], [])]
+        out = []
+        for option in blocks[i].options:
+            out += [([option, *rest], taken) for rest, taken in ways(i + 1)]
+        for span in spans:
+            if span.first == i:
+                out += [
+                    (_members(span) + rest, [span, *taken]) for rest, taken in ways(span.last + 1)
+                ]
+        return out
+
     best: Choice | None = None
-    for combo in itertools.product(*(b.options for b in blocks)):
+    for combo, taken in ways(0):
         peak, time = predict(blocks, combo, base)
         if peak <= budget and (best is None or time < best.time):
-            best = Choice(tuple(combo), peak, time)
+            best = Choice(tuple(combo), peak, time, tuple(taken))
     return best

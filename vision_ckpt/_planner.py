@@ -32,7 +32,7 @@ from ._measure import (
     step_time as measure_step_time,
 )
 from ._memory import count_saved_bytes, format_bytes
-from ._optimise import Block, Choice, Option, choose, predict
+from ._optimise import Block, Choice, Option, Span, choose, predict
 from ._search import check_margin
 from .apply import plan as _plan
 from .config import CheckpointConfig, LevelRule, parse_memory_budget
@@ -43,12 +43,14 @@ from .wrapper import HEAVY_OPS, SaveOps, training_level
 
 __all__ = ["BudgetPlan", "plan_for_budget", "planner_frontier", "resolve_auto", "STRATEGIES"]
 
-STRATEGIES: tuple[str, ...] = ("keep", "selective", "full", "nested")
+STRATEGIES: tuple[str, ...] = ("keep", "selective", "full", "nested", "stage")
 """The menu of a block: ``keep`` (no checkpoint), ``selective`` (keep the outputs of
 convolutions, matrix products and attention; recompute the rest), ``full`` (keep only the
 block's input), ``nested`` (full, and while the block is recomputed its inner regions of the
 plan are checkpointed again: less memory during its backward, for a second recomputation of
-them; offered only for blocks that have inner regions)."""
+them; offered only for blocks that have inner regions), ``stage`` (the module holding a run of
+blocks, a stage, is one selective region: it also recomputes what the blocks pass each other;
+every block of the stage takes it or none does)."""
 
 # The levels the planner's config gives each strategy: a selective block is a rung of its own
 # (level 1), full blocks are medium modules (3), the inner regions of nested blocks small ones
@@ -74,7 +76,12 @@ class BudgetPlan:
     """Every candidate block with its menu: per strategy, kept bytes, transient bytes and
     seconds, at ``batch_size``."""
     strategies: dict[str, str] = field(default_factory=dict)
-    """Candidate block -> chosen strategy (``keep``, ``selective``, ``full`` or ``nested``)."""
+    """Candidate block -> chosen strategy (one of :data:`STRATEGIES`)."""
+    stages: list[str] = field(default_factory=list)
+    """The stages run as one selective region (their blocks' strategy is ``stage``)."""
+    stage_candidates: list[dict[str, Any]] = field(default_factory=list)
+    """Every stage on the menu: its blocks, and kept and transient bytes and seconds at
+    ``batch_size`` as one selective region (the ``stage`` strategy)."""
     predicted_time: float | None = None
     """Predicted seconds per step at ``batch_size``: the plain step's time (extrapolated from
     the small batches) plus the chosen strategies' extra work."""
@@ -99,7 +106,13 @@ class BudgetPlan:
         counts: dict[str, int] = defaultdict(int)
         for strategy in self.strategies.values():
             counts[strategy] += 1
-        mix = ", ".join(f"{counts[s]} {s}" for s in STRATEGIES if counts[s])
+        mix = ", ".join(
+            f"{counts[s]} in {len(self.stages)} selective stage(s)"
+            if s == "stage"
+            else f"{counts[s]} {s}"
+            for s in STRATEGIES
+            if counts[s]
+        )
         slower = (
             f", +{self.predicted_time / self.base_time - 1:.0%} time"
             if self.predicted_time and self.base_time
@@ -143,6 +156,21 @@ def _candidate_blocks(plan: Any) -> list[Any]:
     return []
 
 
+def _stage_groups(plan: Any, names: Sequence[str]) -> list[tuple[str, int, int]]:
+    """``(module, first, last)`` for the innermost plan entries (not the model itself) that hold
+    two or more consecutive candidate blocks and no other candidate: the stages."""
+    out = []
+    for entry in plan.entries:
+        inside = [i for i, n in enumerate(names) if n.startswith(entry.name + ".")]
+        if not entry.name or len(inside) < 2 or inside != list(range(inside[0], inside[-1] + 1)):
+            continue
+        if any(n != entry.name and n.startswith(entry.name + ".") for n, _, _ in out):
+            continue
+        out = [g for g in out if not entry.name.startswith(g[0] + ".")]  # keep the innermost
+        out.append((entry.name, inside[0], inside[-1]))
+    return out
+
+
 def _related(a: str, b: str) -> bool:
     """Whether one of the two qualified names is the other or inside it."""
     return a == b or a.startswith(b + ".") or b.startswith(a + ".")
@@ -166,6 +194,14 @@ def _related(a: str, b: str) -> bool:
 # decision SaveOps makes when it runs); of nested, full plus the operators inside its inner
 # regions, which run a third time. So the price is the device's own: on a GPU norms and
 # activations cost far more per FLOP than convolutions, and the plan sees it.
+#
+# Stages. A module holding a run of the blocks (a stage) may be one selective region instead:
+# it then also recomputes the tensors its blocks pass each other, which per-block regions keep
+# as their inputs. Two more forwards price it, attributed to the stages: nothing checkpointed
+# (with the timed operators) and every stage selective. Its kept bytes enter the chain less the
+# stage's own bytes outside its blocks (those are in the base), its transient is its keep bytes
+# minus its kept bytes, its time the operators selective recomputes (NOTE [ One strategy per
+# block ], Spans).
 #
 # Base. Level 0's step peak (extrapolated like every peak) minus the keep bytes of all blocks.
 # The step time with no checkpointing is measured at the small batches and extrapolated; the
@@ -277,15 +313,27 @@ def _strategy_config(
     entries: Sequence[Any],
     strategies: dict[str, str],
     inner_of: dict[str, list[str]],
+    stage_of: dict[str, str] | None = None,
 ) -> CheckpointConfig:
-    """A config that runs ``strategies`` (block -> strategy) and nothing else.
+    """A config that runs ``strategies`` (block -> strategy) and nothing else; a block whose
+    strategy is ``stage`` makes its stage (``stage_of``) one selective region.
 
     Its rules replace the base config's and its preset (a module keeps a rung per strategy, so
     a rule could not switch off the preset's other rung); the base's run options stay."""
+    stages = {(stage_of or {})[b] for b, s in strategies.items() if s == "stage"}
     rules = []
     for entry in entries:
+        if entry.name in stages:
+            rules.append(
+                LevelRule(
+                    match=exact_name_pattern(entry.name),
+                    level=_LEVEL["selective"],
+                    strategy="selective",
+                )
+            )
+            continue
         strategy = strategies.get(entry.name, "keep")
-        if strategy == "keep":
+        if strategy in ("keep", "stage"):
             continue
         rules.append(
             LevelRule(
@@ -339,9 +387,16 @@ class _Menus:
     base: int
     """Level 0's peak minus the blocks' keep bytes (NOTE [ Pricing the strategies of a block ])."""
     base_time: float
+    spans: list[Span] = field(default_factory=list)
+    """The stages on the menu, over the blocks' chain."""
+    stage_table: list[dict[str, Any]] = field(default_factory=list)
+    stage_of: dict[str, str] = field(default_factory=dict)
+    """Block -> the stage holding it (for the blocks of ``spans``)."""
 
     def config_for(self, strategies: dict[str, str]) -> CheckpointConfig:
-        return _strategy_config(self.base_config, self.entries, strategies, self.inner_of)
+        return _strategy_config(
+            self.base_config, self.entries, strategies, self.inner_of, self.stage_of
+        )
 
 
 def _measure_menus(
@@ -373,6 +428,15 @@ def _measure_menus(
         base_config,
         [LevelRule(match=exact_name_pattern(n), level=_INNER_LEVEL) for n in inner_all],
     )
+    groups = _stage_groups(full_plan, names) if "stage" in menu else []
+    stages = [g for g, _, _ in groups]
+    every_stage = _strategy_config(
+        base_config,
+        entries,
+        {names[first]: "stage" for _, first, _ in groups},
+        inner_of,
+        {names[first]: g for g, first, _ in groups},
+    )
 
     # Per strategy and block, (batch, bytes) and (batch, seconds) points.
     kept: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
@@ -385,6 +449,16 @@ def _measure_menus(
                 kept["keep"][n].append((b, v))
             times = _timed_forward(work, x, names, inner_all)
             step_time.append((b, measure_step_time(work, x)))  # warmed by the forwards above
+            if stages:
+                for g, v in _saved_by_block(work, x, stages).items():
+                    kept["stage keep"][g].append((b, v))
+                stage_times = _timed_forward(work, x, stages, ())
+                for g in stages:
+                    spent["stage"][g].append((b, stage_times.recomputed[g]))
+        if stages:
+            with applied(model, every_stage):
+                for g, v in _saved_by_block(work, x, stages).items():
+                    kept["stage"][g].append((b, v))
         for s in ("selective", "full"):
             if s in menu or (s == "full" and "nested" in menu):
                 with applied(model, uniform[s]):
@@ -411,6 +485,8 @@ def _measure_menus(
         keep_bytes = nbytes(kept["keep"][n])
         options = [Option("keep", keep_bytes, 0, 0.0)]
         for s in ("selective", "full"):
+            if s == "selective" and spent["selective"][n] == spent["full"][n]:
+                continue  # no operator it would keep (a max pool): selective is full, but warns
             if s in menu:
                 k = nbytes(kept[s][n])
                 options.append(Option(s, k, max(0, keep_bytes - k), seconds(spent[s][n])))
@@ -434,6 +510,25 @@ def _measure_menus(
             }
         )
 
+    spans, stage_table = [], []
+    for g, first, last in groups:
+        held = nbytes(kept["stage keep"][g])
+        own = held - sum(blocks[i].options[0].kept for i in range(first, last + 1))
+        k = nbytes(kept["stage"][g])
+        option = Option(
+            "stage", max(0, k - max(0, own)), max(0, held - k), seconds(spent["stage"][g])
+        )
+        spans.append(Span(g, first, last, option))
+        stage_table.append(
+            {
+                "name": g,
+                "blocks": names[first : last + 1],
+                "kept": option.kept,
+                "transient": option.transient,
+                "seconds": option.time,
+            }
+        )
+
     with training_level(0):
         with applied(model, base_config):
             peak0 = extrapolated_peak(peak_measurer(work), target, limit)[0]
@@ -446,6 +541,9 @@ def _measure_menus(
         peak0=peak0,
         base=peak0 - sum(b.options[0].kept for b in blocks),
         base_time=seconds(step_time),
+        spans=spans,
+        stage_table=stage_table,
+        stage_of={names[i]: g for g, first, last in groups for i in range(first, last + 1)},
     )
 
 
@@ -518,11 +616,11 @@ def plan_for_budget(
         smallest = menus.peak0
         tried: set[tuple[str, ...]] = set()
         while rounds < max_rounds:
-            choice = choose(menus.blocks, menus.base + correction, goal)
+            choice = choose(menus.blocks, menus.base + correction, goal, spans=menus.spans)
             if choice is None or tuple(o.strategy for o in choice.options) in tried:
                 # The corrected model rules every plan out (the error of one plan is not every
                 # plan's): measure the plan that holds the least, once, before giving up.
-                choice = _least_memory(menus.blocks, menus.base + correction)
+                choice = _least_memory(menus.blocks, menus.base + correction, menus.spans)
                 if tuple(o.strategy for o in choice.options) in tried:
                     break
             key = tuple(o.strategy for o in choice.options)
@@ -541,7 +639,7 @@ def plan_for_budget(
             # the model was short by `error` on this plan; ask the next one for at least that
             error = measured - (choice.peak - correction)
             correction = max(error, correction + measured - goal)
-        least = _least_memory(menus.blocks, menus.base)
+        least = _least_memory(menus.blocks, menus.base, menus.spans)
         key = tuple(o.strategy for o in least.options)
         if best is None and key not in tried:  # the last resort, measured once
             chosen = {b.name: s for b, s in zip(menus.blocks, key, strict=True)}
@@ -555,6 +653,7 @@ def plan_for_budget(
         "budget_bytes": budget_bytes,
         "batch_size": target,
         "candidates": menus.table,
+        "stage_candidates": menus.stage_table,
         "base_time": menus.base_time,
         "base_bytes": menus.base,
         "rounds": rounds,
@@ -574,6 +673,7 @@ def plan_for_budget(
         blocks=[n for n, s in chosen.items() if s != "keep"],
         predicted_peak=measured,
         strategies=chosen,
+        stages=[span.name for span in choice.spans],
         predicted_time=menus.base_time + choice.time,
         seconds=time.perf_counter() - started,
         **common,
@@ -610,7 +710,7 @@ def planner_frontier(
     found: dict[tuple[str, ...], dict[str, Any]] = {}
     for i in range(points):
         budget = int(lowest + (menus.peak0 - lowest) * i / max(1, points - 1))
-        choice = choose(menus.blocks, menus.base, budget)
+        choice = choose(menus.blocks, menus.base, budget, spans=menus.spans)
         if choice is None:
             continue
         key = tuple(o.strategy for o in choice.options)
@@ -630,13 +730,23 @@ def planner_frontier(
     return sorted(found.values(), key=lambda p: p["peak"])
 
 
-def _least_memory(blocks: Sequence[Block], base: int) -> Choice:
+def _least_memory(blocks: Sequence[Block], base: int, spans: Sequence[Span] = ()) -> Choice:
     """Per block the option that keeps the fewest bytes (ties: the smaller transient, then the
-    faster). Kept + transient would not tell them apart: for full and selective alike it is
-    the block's keep bytes, since what is not kept comes back during its backward."""
+    faster), and each stage that keeps fewer than its blocks would. Kept + transient would not
+    tell them apart: for full and selective alike it is the block's keep bytes, since what is
+    not kept comes back during its backward."""
     options = [min(b.options, key=lambda o: (o.kept, o.transient, o.time)) for b in blocks]
+    taken = []
+    for span in sorted(spans, key=lambda s: s.first):
+        inside = range(span.first, span.last + 1)
+        if any(t.first <= span.last and span.first <= t.last for t in taken):
+            continue
+        if span.option.kept < sum(options[i].kept for i in inside):
+            rest = Option(span.option.strategy, 0, 0, 0.0)
+            options[span.first : span.last + 1] = [span.option] + [rest] * (len(inside) - 1)
+            taken.append(span)
     peak, seconds = predict(blocks, options, base)
-    return Choice(tuple(options), peak, seconds)
+    return Choice(tuple(options), peak, seconds, tuple(taken))
 
 
 def _uniform_peak(blocks: Sequence[Block], strategy: str) -> int:
