@@ -141,15 +141,15 @@ def test_every_rule_selects_modules_in_its_family(preset: str) -> None:
         hits = {label: _selected(rule, model) for label, model in models}
         assert any(hits.values()), f"preset {preset} rules[{i}] ({rule}) selects nothing"
     for label, model in models:
-        # Rules select modules that run a forward (never a ModuleList), and a level above the
-        # sub-blocks exists.
+        # Rules select modules that run a forward (never a ModuleList), and a level of whole
+        # blocks exists (DenseNet's dense layer, at 2, is its block: its 3-5 are that plan).
         levels = set()
         for rule in cfg.rules:
             for name in _selected(rule, model):
                 module = model.get_submodule(name)
                 assert type(module).forward is not nn.Module.forward, (preset, label, name)
                 levels.add(int(rule.level))
-        assert max(levels) >= 3, (preset, label, sorted(levels))
+        assert max(levels) >= (2 if preset == "densenet" else 3), (preset, label, sorted(levels))
 
 
 # --- listing and loading -------------------------------------------------------------------
@@ -314,7 +314,7 @@ def test_timm_feature_wrapper_takes_its_architectures_preset(arch: str) -> None:
     want = {n: r for n, r in rungs(plan(original, cfg)).items() if n in kept}
     got = {original_name(n): r for n, r in rungs(plan(features, cfg)).items()}
     assert got == want
-    assert len({lv for r in got.values() for lv, _ in r}) >= 3  # not a near-empty plan
+    assert len({lv for r in got.values() for lv, _ in r}) >= 2  # not a near-empty plan
     if lifted:  # the rules were rewritten for the lifted names and say so
         origins = {e.origin for e in plan(features, cfg)}
         assert all(o.endswith("(timm features)") for o in origins), origins
@@ -322,7 +322,7 @@ def test_timm_feature_wrapper_takes_its_architectures_preset(arch: str) -> None:
 
 def test_timm_feature_wrapper_exact_names_where_no_glob_fits() -> None:
     """A whole-model class rule selects the wrapper itself (``re:^$``)."""
-    features = timm.create_model("efficientnet_b0", pretrained=False, features_only=True)
+    features = timm.create_model("mobilenetv3_small_050", pretrained=False, features_only=True)
     rules = {r.level: r for r, _ in preset_rules(features, "auto")}
     assert rules[5].match == "re:^$" and rules[5].match_type is None
     p = plan(features, CheckpointConfig(training_checkpoint_level=5, preset="auto"))
@@ -338,11 +338,13 @@ def test_plan_reports_preset_origins() -> None:
     model = _meta_timm("convnext_atto")()
     p = plan(model, CheckpointConfig(training_checkpoint_level=3, preset="auto"))
     assert p["stages.0.blocks.0"].origin == "preset convnext #3"
-    # The stage: selective at 1 (rule #1) and 2 (#2, recompute_below), full at 4 (#4).
-    assert p["stages.0"].origin == "preset convnext #1; preset convnext #2; preset convnext #4"
+    # The stage: selective at 1 (rule #1) and 2 (#2, recompute_below); levels 4-5 are level
+    # 3's plan, so neither the stage nor all stages is a full region.
+    assert p["stages.0"].origin == "preset convnext #1; preset convnext #2"
     rungs = [str(r) for r in p["stages.0"].rungs]
-    assert rungs == ["selective 1-2", "selective<100 2 only", "full 4"]
-    assert p["stages"].level == 5
+    assert rungs == ["selective 1-2", "selective<100 2 only"]
+    assert "stages" not in {e.name for e in p}
+    assert p["stages.1.downsample"].origin == "preset convnext #4"
 
 
 # --- the fallback --------------------------------------------------------------------------
