@@ -197,11 +197,11 @@ def _related(a: str, b: str) -> bool:
 #
 # Stages. A module holding a run of the blocks (a stage) may be one selective region instead:
 # it then also recomputes the tensors its blocks pass each other, which per-block regions keep
-# as their inputs. Two more forwards price it, attributed to the stages: nothing checkpointed
-# (with the timed operators) and every stage selective. Its kept bytes enter the chain less the
-# stage's own bytes outside its blocks (those are in the base), its transient is its keep bytes
-# minus its kept bytes, its time the operators selective recomputes (NOTE [ One strategy per
-# block ], Spans).
+# as their inputs. The forwards above also attribute what runs in a stage outside its blocks to
+# the stage (its own bytes and operators), and one more forward, every stage selective, gives
+# its kept bytes. Those enter the chain less the stage's own keep bytes (which are in the base),
+# its transient is its keep bytes (its blocks' and its own) minus its kept bytes, its time the
+# operators selective recomputes in it (NOTE [ One strategy per block ], Spans).
 #
 # Base. Level 0's step peak (extrapolated like every peak) minus the keep bytes of all blocks.
 # The step time with no checkpointing is measured at the small batches and extrapolated; the
@@ -445,16 +445,11 @@ def _measure_menus(
     for b in small_batches(target):
         x = work.batch(b)
         with applied(model, CheckpointConfig()):
-            for n, v in _saved_by_block(work, x, names).items():
+            # a stage's own figures (what runs in it outside its blocks) go to the stage
+            for n, v in _saved_by_block(work, x, [*names, *stages]).items():
                 kept["keep"][n].append((b, v))
-            times = _timed_forward(work, x, names, inner_all)
+            times = _timed_forward(work, x, [*names, *stages], inner_all)
             step_time.append((b, measure_step_time(work, x)))  # warmed by the forwards above
-            if stages:
-                for g, v in _saved_by_block(work, x, stages).items():
-                    kept["stage keep"][g].append((b, v))
-                stage_times = _timed_forward(work, x, stages, ())
-                for g in stages:
-                    spent["stage"][g].append((b, stage_times.recomputed[g]))
         if stages:
             with applied(model, every_stage):
                 for g, v in _saved_by_block(work, x, stages).items():
@@ -468,6 +463,9 @@ def _measure_menus(
             with applied(model, inner_only):
                 for n, v in _saved_by_block(work, x, names).items():
                     kept["inner"][n].append((b, v))
+        for g, first, last in groups:
+            inside = [*names[first : last + 1], g]
+            spent["stage"][g].append((b, sum(times.recomputed[n] for n in inside)))
         for n in names:
             spent["full"][n].append((b, times.total[n]))
             spent["selective"][n].append((b, times.recomputed[n]))
@@ -512,12 +510,10 @@ def _measure_menus(
 
     spans, stage_table = [], []
     for g, first, last in groups:
-        held = nbytes(kept["stage keep"][g])
-        own = held - sum(blocks[i].options[0].kept for i in range(first, last + 1))
+        own = nbytes(kept["keep"][g])
+        held = own + sum(blocks[i].options[0].kept for i in range(first, last + 1))
         k = nbytes(kept["stage"][g])
-        option = Option(
-            "stage", max(0, k - max(0, own)), max(0, held - k), seconds(spent["stage"][g])
-        )
+        option = Option("stage", max(0, k - own), max(0, held - k), seconds(spent["stage"][g]))
         spans.append(Span(g, first, last, option))
         stage_table.append(
             {
