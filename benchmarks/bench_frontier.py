@@ -20,8 +20,9 @@ Measured per variant:
   ``torch.profiler``'s memory events (``prof peak``: allocations minus frees in time order, the
   maximum of the running sum): that column compares eager and compiled variants on one meter;
 - ``time``: the median over ``--reps`` rounds; the rounds interleave the variants (one step of
-  each per round), and ``time/L0`` is the median of the per-round ratios to ``L0``, so machine
-  load that changes between rounds cancels;
+  each per round, in an order that rotates from round to round), and ``time/L0`` is the
+  median of the per-round ratios to ``L0``, so machine load that changes between rounds
+  cancels;
 - ``BN``: whether the BatchNorm running statistics after the first step equal ``L0``'s exactly.
 
 The frontier is the set of variants no other variant beats on both peak (``prof peak``) and
@@ -227,7 +228,9 @@ def bench_model(
     ratios: dict[str, list[float]] = {r.name: [] for r in runs}
     for round_ in range(reps):
         times = {}
-        for run in runs:
+        # the order rotates each round: on a shared CPU the later steps of a round ran slower
+        shift = round_ * len(runs) // max(1, reps)
+        for run in runs[shift:] + runs[:shift]:
             start = time.perf_counter()
             run.run(x, y)
             times[run.name] = time.perf_counter() - start
@@ -235,7 +238,8 @@ def bench_model(
         for run in runs:
             ratios[run.name].append(times[run.name] / times["L0"])
         console.print(
-            f"  round {round_ + 1}/{reps}: " + ", ".join(f"{k} {v:.2f}s" for k, v in times.items())
+            f"  round {round_ + 1}/{reps}: "
+            + ", ".join(f"{r.name} {times[r.name]:.2f}s" for r in runs)
         )
     for run in runs:
         row = rows[run.name]

@@ -148,7 +148,10 @@ def bench_model(
 
     for round_ in range(reps):
         times = {}
-        for v in variants:
+        # the order rotates each round: on a shared CPU the later steps of a round ran slower
+        # (one plan measured 1.2x at the start of a round and 1.8x at its end)
+        shift = round_ * len(variants) // max(1, reps)
+        for v in variants[shift:] + variants[:shift]:
             _sync(device)
             start = time.perf_counter()
             _step(v.module, x)
@@ -158,7 +161,8 @@ def bench_model(
         for v in variants:
             v.ratios.append(times[v.name] / times["L0"])
         console.print(
-            f"  round {round_ + 1}/{reps}: " + ", ".join(f"{k} {t:.2f}s" for k, t in times.items())
+            f"  round {round_ + 1}/{reps}: "
+            + ", ".join(f"{v.name} {times[v.name]:.2f}s" for v in variants)
         )
     ratio = {v.name: statistics.median(v.ratios) for v in variants}
     base_time = statistics.median(variants[0].times)
