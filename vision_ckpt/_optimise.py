@@ -52,6 +52,11 @@ class Span:
     option: Option
     """Its price, for the whole run (the figures are the run's, not one block's)."""
 
+    def members(self) -> list[Option]:
+        """The options the span puts on its blocks when chosen (see :class:`Choice`)."""
+        rest = Option(self.option.strategy, 0, 0, 0.0)
+        return [self.option] + [rest] * (self.last - self.first)
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -118,12 +123,6 @@ def predict(blocks: Sequence[Block], options: Sequence[Option], base: int) -> tu
         worst = max(worst, prefix + option.transient)
         total += option.time
     return base + max(prefix, worst), total
-
-
-def _members(span: Span) -> list[Option]:
-    """The options a chosen span puts on its blocks (see :class:`Choice`)."""
-    rest = Option(span.option.strategy, 0, 0, 0.0)
-    return [span.option] + [rest] * (span.last - span.first)
 
 
 def _check_spans(blocks: Sequence[Block], spans: Sequence[Span]) -> None:
@@ -210,7 +209,7 @@ def choose(
         else:
             span = spans[-code - 1]
             option = span.option
-            chosen[span.first : span.last + 1] = _members(span)
+            chosen[span.first : span.last + 1] = span.members()
             taken.append(span)
             j = span.first
         p -= math.ceil(option.kept / unit)
@@ -238,7 +237,7 @@ def choose_exhaustively(
         for span in spans:
             if span.first == i:
                 out += [
-                    (_members(span) + rest, [span, *taken]) for rest, taken in ways(span.last + 1)
+                    (span.members() + rest, [span, *taken]) for rest, taken in ways(span.last + 1)
                 ]
         return out
 

@@ -611,6 +611,20 @@ def plan_for_budget(
         rounds = 0
         smallest = menus.peak0
         tried: set[tuple[str, ...]] = set()
+
+        def measure(key: tuple[str, ...]) -> tuple[dict[str, str], int]:
+            """Block -> strategy of ``key`` and its extrapolated peak (level 0's if none)."""
+            nonlocal rounds, smallest
+            tried.add(key)
+            chosen = {b.name: s for b, s in zip(menus.blocks, key, strict=True)}
+            if all(s == "keep" for s in key):
+                return chosen, menus.peak0
+            with applied(model, menus.config_for(chosen)):
+                measured = extrapolated_peak(step_peak, target, budget_bytes)[0]
+            rounds += 1
+            smallest = min(smallest, measured)
+            return chosen, measured
+
         while rounds < max_rounds:
             choice = choose(menus.blocks, menus.base + correction, goal, spans=menus.spans)
             if choice is None or tuple(o.strategy for o in choice.options) in tried:
@@ -619,16 +633,7 @@ def plan_for_budget(
                 choice = _least_memory(menus.blocks, menus.base + correction, menus.spans)
                 if tuple(o.strategy for o in choice.options) in tried:
                     break
-            key = tuple(o.strategy for o in choice.options)
-            tried.add(key)
-            chosen = {b.name: s for b, s in zip(menus.blocks, key, strict=True)}
-            if all(s == "keep" for s in key):
-                measured = menus.peak0
-            else:
-                with applied(model, menus.config_for(chosen)):
-                    measured = extrapolated_peak(step_peak, target, budget_bytes)[0]
-                rounds += 1
-            smallest = min(smallest, measured)
+            chosen, measured = measure(tuple(o.strategy for o in choice.options))
             if measured <= goal:
                 best = (choice, chosen, measured)
                 break
@@ -638,11 +643,7 @@ def plan_for_budget(
         least = _least_memory(menus.blocks, menus.base, menus.spans)
         key = tuple(o.strategy for o in least.options)
         if best is None and key not in tried:  # the last resort, measured once
-            chosen = {b.name: s for b, s in zip(menus.blocks, key, strict=True)}
-            with applied(model, menus.config_for(chosen)):
-                measured = extrapolated_peak(step_peak, target, budget_bytes)[0]
-            rounds += 1
-            smallest = min(smallest, measured)
+            chosen, measured = measure(key)
             if measured <= goal:
                 best = (least, chosen, measured)
     common: dict[str, Any] = {
@@ -738,8 +739,7 @@ def _least_memory(blocks: Sequence[Block], base: int, spans: Sequence[Span] = ()
         if any(t.first <= span.last and span.first <= t.last for t in taken):
             continue
         if span.option.kept < sum(options[i].kept for i in inside):
-            rest = Option(span.option.strategy, 0, 0, 0.0)
-            options[span.first : span.last + 1] = [span.option] + [rest] * (len(inside) - 1)
+            options[span.first : span.last + 1] = span.members()
             taken.append(span)
     peak, seconds = predict(blocks, options, base)
     return Choice(tuple(options), peak, seconds, tuple(taken))

@@ -61,7 +61,7 @@ import functools
 import importlib.metadata
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -407,12 +407,16 @@ def _named_modules(model: Any) -> list[tuple[str, Any]]:
     return list(model.named_modules())
 
 
-def _selects_any(rule: LevelRule, modules: list[tuple[str, Any]]) -> bool:
+def _selecting(rule: LevelRule, modules: list[tuple[str, Any]]) -> Iterator[str]:
+    """The names of the modules ``rule`` selects, lazily."""
     matcher = ModuleMatcher(rule.match, rule.match_type)
-    return any(
-        matcher.matches(name, type(module).__name__, qualified_class_name(module))
-        for name, module in modules
-    )
+    for name, module in modules:
+        if matcher.matches(name, type(module).__name__, qualified_class_name(module)):
+            yield name
+
+
+def _selects_any(rule: LevelRule, modules: list[tuple[str, Any]]) -> bool:
+    return any(True for _ in _selecting(rule, modules))
 
 
 def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
@@ -516,7 +520,7 @@ def _wrapper_rules(
         if not wanted:
             continue
         for candidate in (rule, _lifted_rule(rule, {n.partition(".")[0] for n in lifted.values()})):
-            if candidate is not None and _selected(candidate, modules) == wanted:
+            if candidate is not None and list(_selecting(candidate, modules)) == wanted:
                 out.append((i, candidate))
                 break
         else:
@@ -536,15 +540,6 @@ def _lifted_rule(rule: LevelRule, containers: set[str]) -> LevelRule | None:
         return None
     second, dot, tail = rest.partition(".")
     return rule.model_copy(update={"match": f"{head}_{second}{dot}{tail}"})
-
-
-def _selected(rule: LevelRule, modules: list[tuple[str, Any]]) -> list[str]:
-    matcher = ModuleMatcher(rule.match, rule.match_type)
-    return [
-        name
-        for name, module in modules
-        if matcher.matches(name, type(module).__name__, qualified_class_name(module))
-    ]
 
 
 def _under(part: str, rule: LevelRule) -> LevelRule:
