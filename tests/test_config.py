@@ -169,7 +169,7 @@ ALLOWED_LEVELS = r"allowed: 0 \(NONE\), 1 \(SINGLE_LAYER\), 2 \(SMALL_BLOCK\)"
         (
             {"rules": [{"match": "a", "levle": 1}]},
             r"rules\[0\]\.levle: unknown key 'levle'; allowed keys: match, match_type, level, "
-            r"strategy, segments, recompute_below\. "
+            r"strategy, segments, recompute_below, through\. "
             r"Did you mean 'level'\?",
         ),
         ({"rules": [{"match": "a..b", "level": 1}]}, r"rules\[0\]\.match: .*empty component"),

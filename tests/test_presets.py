@@ -270,13 +270,18 @@ def test_register_preset_rejects_nested_presets(scratch_registry) -> None:
 # --- preset_rules and origins --------------------------------------------------------------
 
 
-def test_preset_rules_labels_and_drops_rules_that_select_nothing() -> None:
-    model = _meta_timm("resnet18")()  # no deep stem: rules[0] ('conv1' Sequential) selects nothing
-    pairs = preset_rules(model, "resnet")
-    cfg = load_preset("resnet")
-    assert [o for _, o in pairs] == [f"preset resnet #{i}" for i in range(1, len(cfg.rules))]
-    assert [r for r, _ in pairs] == list(cfg.rules[1:])
-    assert preset_rules(model, "auto") == pairs
+def test_preset_rules_labels_and_drops_rules_that_select_nothing(scratch_registry) -> None:
+    model = _meta_timm("resnet18")()
+    resnet = load_preset("resnet")
+    assert [o for _, o in preset_rules(model, "auto")] == [
+        f"preset resnet #{i}" for i in range(len(resnet.rules))
+    ]
+    # a rule for a deep stem this model does not have selects nothing and is left out
+    extra = CheckpointConfig(rules=[{"match": "conv1.0", "level": 1}, *resnet.rules])
+    register_preset("resnet_deep", extra)
+    pairs = preset_rules(model, "resnet_deep")
+    assert [o for _, o in pairs] == [f"preset resnet_deep #{i}" for i in range(1, len(extra.rules))]
+    assert [r for r, _ in pairs] == list(extra.rules[1:])
 
 
 _FEATURE_ARCHS = [
@@ -538,8 +543,9 @@ rules:
     assert [o for _, o in encoder] == [
         f"preset segnet encoder: preset tv_resnet #{i}" for i in range(4)
     ]
+    assert [(r.match, r.through) for r, _ in encoder][0] == ("encoder.conv1", "maxpool")
     assert [r.match for r, _ in encoder] == [
-        "encoder.maxpool",
+        "encoder.conv1",
         "encoder.layer*",
         "encoder.layer*",
         "encoder.layer*.*",

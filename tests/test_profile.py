@@ -117,11 +117,13 @@ def test_suggest_level_picks_the_lowest_level_whose_measured_peak_fits() -> None
     model, example = _mobilenet(), _x(2)
     peaks = {lv: _measured_peak(model, batch_of(example, 8), lv) for lv in (0, 5)}
     budget = (peaks[0] + peaks[5]) // 2
-    suggestion = suggest_level(model, example, budget, batch_size=8, margin=0.0)
+    # the default margin: predicted peaks of this tiny model are a few percent off (its level-0
+    # peak grows by 857, 759 and 842 KB per image from batch 2 to 3, 3 to 4 and 4 to 8)
+    suggestion = suggest_level(model, example, budget, batch_size=8, margin=0.05)
     assert suggestion.fits and suggestion.level > 0
     assert _measured_peak(model, batch_of(example, 8), suggestion.level) <= budget
     assert all(
-        suggestion.predicted_peak[lv] > budget
+        suggestion.predicted_peak[lv] * 1.05 > budget
         for lv in suggestion.predicted_peak
         if lv < suggestion.level
     )

@@ -829,9 +829,7 @@ def _run(
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
 
-    frame = _Frame()
-    frame.fn = function
-    frame.label = label
+    frame = _blank_frame(function, label, check=determinism_check == "default")
     # NOTE [ Inputs are captured at call time ]
     # Tensor arguments are kept as SavedVariables (so enclosing regions and user hooks see them,
     # and in-place changes after the call are detected), and every list/tuple/dict around them is
@@ -865,12 +863,7 @@ def _run(
         frame.leaves = leaves
 
     debug_on = _debug_enabled if _debug_enabled is not None else debug
-    frame.holders = []
-    frame.metas = [] if determinism_check == "default" else None
     frame.early_stop = early_stop
-    frame.done = set()
-    frame.forward_done = False
-    frame.ignore_count = False
 
     device_type = _accelerator_type(tensors) if tensors else "cuda"
     frame.autocast = _capture_autocast(device_type)
@@ -948,6 +941,23 @@ def _run(
             "preserve_rng_state=False if the region draws no random numbers on the GPU."
         )
     return out
+
+
+def _blank_frame(function: Callable[..., Any], label: str | None, check: bool) -> _Frame:
+    """A frame with nothing saved yet; the caller fills in the inputs and the call's state."""
+    frame = _Frame()
+    frame.fn = function
+    frame.label = label
+    frame.holders = []
+    frame.metas = [] if check else None
+    frame.early_stop = True
+    frame.done = set()
+    frame.forward_done = False
+    frame.ignore_count = False
+    frame.recompute_ctx = None
+    frame.logs = None
+    frame.same_as = None
+    return frame
 
 
 def _proxy_tracing() -> bool:
@@ -1054,3 +1064,111 @@ def checkpoint_sequential(
         end = start + size - 1
         input = checkpoint(run(start, end), input, use_reentrant=use_reentrant, **kwargs)
     return run(end + 1, count - 1)(input)
+
+
+# NOTE [ Regions of consecutive calls ]
+#
+# Some models call a run of sibling modules one after another on one tensor from their own
+# forward (ResNet's stem: ``conv1``, ``bn1``, ``act1``, ``maxpool``), so no single call covers
+# the run. A ``ChainRegion`` is one region built from such calls: it is opened on the first
+# call's input, ``run`` executes each call with the region's pack hooks pushed, and between
+# calls the hooks are popped, so whatever the caller does between them is saved as usual.
+# The recomputation replays the calls made so far, in order, on the saved input.
+#
+# Invariants (the caller, the install layer, checks the first two before every ``run``):
+#   1. each call after the first receives the previous call's output, the very tensor object,
+#      unmodified since (same version), and nothing else: so replaying the calls in order
+#      reproduces every tensor the region saved;
+#   2. autocast is the same at every call as at the first;
+#   3. the RNG state at the start of every call is stashed and reinstalled before that call
+#      is replayed, so randomness drawn between calls (outside the region) cannot shift what
+#      the region draws;
+#   4. the holders of the frame are exactly the tensors saved inside the calls made so far,
+#      so a run that stops early (the caller broke invariant 1) stays exact: it is simply a
+#      shorter region.
+
+
+class _Replay:
+    """The recomputation of a ChainRegion: its calls so far, with their RNG states."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Callable[[Any], Any], Any]] = []
+
+    def __call__(self, x: Any) -> Any:
+        for index, (fn, rng) in enumerate(self.calls):
+            if index and rng is not None:  # the first call's state is the frame's own
+                _swap_rng(rng)
+            x = fn(x)
+        return x
+
+
+class ChainRegion:
+    """One checkpointed region made of consecutive calls on one tensor (see NOTE [ Regions of
+    consecutive calls ]): open it on the first call's input, ``run`` each call, and it is
+    recomputed for backward by replaying them. ``modules``: the modules of the calls, whose
+    BatchNorm statistics the recomputation must not update again; ``label``: the name errors
+    quote.
+
+    >>> import torch
+    >>> conv, act = torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()
+    >>> x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    >>> region = ChainRegion(x, modules=[conv, act], label="stem")
+    >>> y = region.run(act, region.run(conv, x))
+    >>> y.sum().backward()
+    >>> x.grad.shape
+    torch.Size([2, 3, 8, 8])
+    """
+
+    __slots__ = ("frame", "replay", "device_type", "preserve_rng_state")
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        *,
+        modules: list[torch.nn.Module],
+        label: str,
+        preserve_rng_state: bool = True,
+    ) -> None:
+        self.replay = _Replay()
+        frame = _blank_frame(self.replay, label, check=True)
+        frame.args, frame.kwargs, frame.spec, frame.tensor_pos = (None,), {}, None, [0]
+        self.device_type = _accelerator_type([x])
+        frame.autocast = _capture_autocast(self.device_type)
+        self.preserve_rng_state = preserve_rng_state
+        batchnorms: list[torch.nn.Module] = []
+        for module in modules:
+            batchnorms += _region_batchnorms(module, module)
+        frame.batchnorms = batchnorms
+        frame.device_ctx = _default_device() if torch._C._len_torch_function_stack() else None
+        frame.saved = (
+            [_make_saved_tensor(x, is_output=False)]
+            if _make_saved_tensor is not None
+            else _save_with_function([x])
+        )
+        self.frame = frame
+
+    def same_autocast(self) -> bool:
+        """Whether autocast is now as it was when the region was opened (invariant 2)."""
+        return _capture_autocast(self.device_type) == self.frame.autocast
+
+    def run(self, fn: Callable[[Any], Any], x: torch.Tensor) -> Any:
+        """Call ``fn(x)`` as the region's next call and return its output."""
+        frame = self.frame
+        rng = _stash_rng([x]) if self.preserve_rng_state else None
+        if not self.replay.calls:
+            frame.rng = rng
+        state = _state
+        state.region_depth += 1
+        frame._user_hooks = _user_saved_tensors_hooks()
+        _push_hooks(frame, frame.unpack)
+        try:
+            out = fn(x)
+        finally:
+            _pop_hooks()
+            del frame._user_hooks
+            state.region_depth -= 1
+        self.replay.calls.append((fn, rng))
+        frame.forward_done = True
+        return out

@@ -8,6 +8,8 @@ whether to run the module's own forward through the checkpoint core.
 
 from __future__ import annotations
 
+import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -16,9 +18,18 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
-from .wrapper import Policy, run_policy, run_segments
+from .wrapper import ChainCall, Policy, run_policy, run_segments
 
-__all__ = ["CheckpointedForward", "install", "uninstall", "installed", "reinstall"]
+__all__ = [
+    "CheckpointedForward",
+    "ChainedForward",
+    "Chain",
+    "install",
+    "install_chain",
+    "uninstall",
+    "installed",
+    "reinstall",
+]
 
 
 class _ModuleForward:
@@ -96,10 +107,123 @@ class CheckpointedForward:
         )
 
 
+class _OpenRuns(threading.local):
+    def __init__(self) -> None:
+        # id(Chain) -> (the open run, index of the module expected next, weak reference to
+        # the tensor it must receive, that tensor's version when the previous call returned)
+        self.runs: dict[int, tuple[ChainCall, int, weakref.ref[Any], int]] = {}
+
+
+_open_runs = _OpenRuns()
+
+
+class Chain:
+    """A run of sibling modules that their parent calls one after another on one tensor,
+    checkpointed as one region (a rule's ``through``). It holds the members' forwards, which
+    refer to their modules weakly, and tracks the run open on each thread."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.members: list[_ModuleForward] = []
+
+    def modules(self) -> list[nn.Module]:
+        return [m.module for m in self.members]
+
+    def pending(self) -> tuple[ChainCall, int, weakref.ref[Any], int] | None:
+        return _open_runs.runs.get(id(self))
+
+    def expect(self, call: ChainCall, index: int, out: Any) -> None:
+        """After the call of member ``index - 1`` returned ``out``: wait for member ``index``,
+        or end the run when it was the last member or ``out`` is not one tensor."""
+        if index < len(self.members) and isinstance(out, torch.Tensor):
+            _open_runs.runs[id(self)] = (call, index, weakref.ref(out), out._version)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        _open_runs.runs.pop(id(self), None)
+
+    def broken(self, index: int, reason: str) -> None:
+        self.close()
+        names = [m.name for m in self.members]
+        warnings.warn(
+            f"the checkpointed run {self.label!r} ({' -> '.join(names)}) ended after "
+            f"{names[index - 1]!r}: {names[index]!r} {reason}. What ran is checkpointed "
+            "exactly; the rest of the run is not. Check that the parent's forward calls these "
+            "modules one after another on one tensor, or drop 'through' from the rule.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+class ChainedForward(CheckpointedForward):
+    """The forward :func:`install_chain` gives each member of a :class:`Chain`.
+
+    NOTE [ Runs of sibling calls ]
+    The first member opens the run (when its policy checkpoints it now) and every later member
+    joins it only if it receives exactly the previous member's output, unmodified, and
+    autocast is unchanged: then replaying the members in order recomputes the region (NOTE
+    [ Regions of consecutive calls ] in ``_core``). Any other call ends the run where it is
+    and runs plainly, so a parent that does something else between them gets exact gradients
+    and a warning, never a wrong recomputation.
+    """
+
+    def __init__(
+        self, module: nn.Module, name: str, policy: Policy, chain: Chain, index: int
+    ) -> None:
+        super().__init__(module, name, policy)
+        self.chain = chain
+        self.index = index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run, chain = self.run, self.chain
+        one = args[0] if len(args) == 1 and not kwargs else None
+        if self.index == 0:
+            chain.close()  # a run the parent left unfinished (another branch, an exception)
+            if not self.policy.rungs or not run.module.training or not torch.is_grad_enabled():
+                return run(*args, **kwargs)
+            call = ChainCall.open(self.policy, chain.modules(), chain.label, one)
+            if call is None:
+                return run_policy(self.policy, run, args, kwargs, module=run.module, label=run.name)
+            out = call.run(run, one)
+            chain.expect(call, 1, out)
+            return out
+        pending = chain.pending()
+        if pending is None:
+            return run(*args, **kwargs)
+        call, index, ref, version = pending
+        if index != self.index:
+            chain.broken(index, f"was not called next ({run.name!r} was)")
+        elif one is None or ref() is not one:
+            chain.broken(index, "was called with something other than its output")
+        elif one._version != version:
+            chain.broken(index, "was called with its output after it was modified in place")
+        elif not call.same_autocast():
+            chain.broken(index, "was called under another autocast state")
+        else:
+            out = call.run(run, one)
+            chain.expect(call, index + 1, out)
+            return out
+        return run(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<member {self.index} of the checkpointed run {self.chain.label!r}>"
+
+
 def install(items: Iterable[tuple[nn.Module, str, Policy]]) -> None:
     """Give each ``(module, qualified name, policy)`` its checkpointed forward."""
     for module, name, policy in items:
         module.__dict__["forward"] = CheckpointedForward(module, name, policy)
+
+
+def install_chain(members: list[tuple[nn.Module, str]], policy: Policy, label: str) -> None:
+    """Give a run of sibling modules, in call order, forwards that checkpoint them as one
+    region as the first one's ``policy`` decides (NOTE [ Runs of sibling calls ])."""
+    chain = Chain(label)
+    for index, (module, name) in enumerate(members):
+        forward = ChainedForward(module, name, policy, chain, index)
+        chain.members.append(forward.run)
+        module.__dict__["forward"] = forward
 
 
 def uninstall(model: nn.Module) -> int:

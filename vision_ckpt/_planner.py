@@ -34,7 +34,7 @@ from ._measure import (
 from ._memory import count_saved_bytes, format_bytes
 from ._optimise import Block, Choice, Option, Span, choose, predict
 from ._search import check_margin
-from .apply import plan as _plan
+from .apply import plan as _plan, run_members
 from .config import CheckpointConfig, LevelRule, parse_memory_budget
 from .errors import ConfigError
 from .levels import Level
@@ -212,13 +212,23 @@ class _Regions:
     """Forward hooks that track the innermost candidate block running, and whether an inner
     region of it is running."""
 
-    def __init__(self, model: torch.nn.Module, blocks: Sequence[str], inner: Sequence[str]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        blocks: Sequence[str],
+        inner: Sequence[str],
+        runs: dict[str, list[str]],
+    ):
         self.blocks: list[str] = []
         self.inner = 0
         modules = dict(model.named_modules())
         self._handles = []
         for name in blocks:
-            self._handles += self._track(modules[name], self.blocks.append, self.blocks.pop, name)
+            # a block that is a run of sibling modules (``through``) runs in each of them
+            for member in [name, *runs.get(name, ())]:
+                self._handles += self._track(
+                    modules[member], self.blocks.append, self.blocks.pop, name
+                )
         for name in inner:
             self._handles += self._track(modules[name], self._enter, self._leave, name)
 
@@ -281,16 +291,20 @@ class _OpTimes(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _regions(model: torch.nn.Module, blocks: Sequence[str], inner: Sequence[str]) -> Iterator[Any]:
-    regions = _Regions(model, blocks, inner)
+def _regions(
+    model: torch.nn.Module, blocks: Sequence[str], inner: Sequence[str], runs: dict[str, list[str]]
+) -> Iterator[Any]:
+    regions = _Regions(model, blocks, inner, runs)
     try:
         yield regions
     finally:
         regions.remove()
 
 
-def _saved_by_block(work: Workload, x: torch.Tensor, blocks: Sequence[str]) -> dict[str, int]:
-    with _regions(work.model, blocks, ()) as regions:
+def _saved_by_block(
+    work: Workload, x: torch.Tensor, blocks: Sequence[str], runs: dict[str, list[str]]
+) -> dict[str, int]:
+    with _regions(work.model, blocks, (), runs) as regions:
         with count_saved_bytes(work.model, region=regions.innermost) as saved:
             out = work.model(x)
         del out
@@ -298,10 +312,14 @@ def _saved_by_block(work: Workload, x: torch.Tensor, blocks: Sequence[str]) -> d
 
 
 def _timed_forward(
-    work: Workload, x: torch.Tensor, blocks: Sequence[str], inner: Sequence[str]
+    work: Workload,
+    x: torch.Tensor,
+    blocks: Sequence[str],
+    inner: Sequence[str],
+    runs: dict[str, list[str]],
 ) -> _OpTimes:
     keeps = SaveOps(HEAVY_OPS, default=True)
-    with _regions(work.model, blocks, inner) as regions:
+    with _regions(work.model, blocks, inner, runs) as regions:
         with _OpTimes(regions, keeps, work.device) as times:
             out = work.model(x)
         del out
@@ -340,6 +358,7 @@ def _strategy_config(
                 match=exact_name_pattern(entry.name),
                 level=_LEVEL[strategy],
                 strategy="selective" if strategy == "selective" else "full",
+                through=None if strategy == "selective" else _run_end(entry),
             )
         )
         if strategy == "nested":
@@ -348,6 +367,11 @@ def _strategy_config(
                 for inner in inner_of[entry.name]
             ]
     return _only(base, rules)
+
+
+def _run_end(entry: Any) -> str | None:
+    """The last module of the run the plan entry starts (a rule's ``through``), or ``None``."""
+    return next((r.through for r in entry.rungs if r.through is not None), None)
 
 
 def _only(base: CheckpointConfig, rules: Sequence[LevelRule]) -> CheckpointConfig:
@@ -417,6 +441,11 @@ def _measure_menus(
             "with rules (or a preset) that select its blocks"
         )
     names = [e.name for e in candidates]
+    runs = {
+        e.name: run_members(model, e.name, end, "the planner")[1:]
+        for e in candidates
+        if (end := _run_end(e)) is not None
+    }
     entries = list(full_plan.entries)
     inner_of = {n: [e.name for e in entries if e.name.startswith(n + ".")] for n in names}
     inner_all = [i for n in names for i in inner_of[n]]
@@ -446,22 +475,22 @@ def _measure_menus(
         x = work.batch(b)
         with applied(model, CheckpointConfig()):
             # a stage's own figures (what runs in it outside its blocks) go to the stage
-            for n, v in _saved_by_block(work, x, [*names, *stages]).items():
+            for n, v in _saved_by_block(work, x, [*names, *stages], runs).items():
                 kept["keep"][n].append((b, v))
-            times = _timed_forward(work, x, [*names, *stages], inner_all)
+            times = _timed_forward(work, x, [*names, *stages], inner_all, runs)
             step_time.append((b, measure_step_time(work, x)))  # warmed by the forwards above
         if stages:
             with applied(model, every_stage):
-                for g, v in _saved_by_block(work, x, stages).items():
+                for g, v in _saved_by_block(work, x, stages, runs).items():
                     kept["stage"][g].append((b, v))
         for s in ("selective", "full"):
             if s in menu or (s == "full" and "nested" in menu):
                 with applied(model, uniform[s]):
-                    for n, v in _saved_by_block(work, x, names).items():
+                    for n, v in _saved_by_block(work, x, names, runs).items():
                         kept[s][n].append((b, v))
         if "nested" in menu and inner_all:
             with applied(model, inner_only):
-                for n, v in _saved_by_block(work, x, names).items():
+                for n, v in _saved_by_block(work, x, names, runs).items():
                     kept["inner"][n].append((b, v))
         for g, first, last in groups:
             inside = [*names[first : last + 1], g]
@@ -483,8 +512,10 @@ def _measure_menus(
         keep_bytes = nbytes(kept["keep"][n])
         options = [Option("keep", keep_bytes, 0, 0.0)]
         for s in ("selective", "full"):
-            if s == "selective" and spent["selective"][n] == spent["full"][n]:
-                continue  # no operator it would keep (a max pool): selective is full, but warns
+            if s == "selective" and (spent["selective"][n] == spent["full"][n] or n in runs):
+                # no operator it would keep (a max pool): selective is full, but warns; a run
+                # of sibling modules is one full region only
+                continue
             if s in menu:
                 k = nbytes(kept[s][n])
                 options.append(Option(s, k, max(0, keep_bytes - k), seconds(spent[s][n])))

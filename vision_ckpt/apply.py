@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from ._install import install, uninstall
+from ._install import install, install_chain, uninstall
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
 from .levels import Level, is_group, parse_level
@@ -62,6 +62,8 @@ class PlannedRung:
     until: Level | None = None
     """For ``selective``: the training level from which a full region inside the module is
     checkpointed, where this rung stops applying (NOTE [ Selective regions step aside ])."""
+    through: str | None = None
+    """The last sibling of a run checkpointed with the module as one region (``through``)."""
 
     @property
     def group(self) -> bool:
@@ -70,6 +72,8 @@ class PlannedRung:
 
     def __str__(self) -> str:
         text = "segments" if self.segments is not None else self.strategy
+        if self.through is not None:
+            text += f" through {self.through}"
         if self.segments not in (None, "auto"):
             text += f"/{self.segments}"
         if self.recompute_below is not None:
@@ -345,6 +349,9 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
             _no_match(model, modules, rule, origin, hits, strict=cfg.strict)
         if rule.segments is not None:
             _check_segments(model, rule, origin, callable_hits)
+        if rule.through is not None:
+            for name in callable_hits:
+                run_members(model, name, rule.through, f"{origin} ({rule})")
         for name in callable_hits:
             if rule.level == 0:
                 decided[name] = {("none",): (rule, origin)}
@@ -353,8 +360,10 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
                 ways.pop(("none",), None)
                 for other in [k for k, (r, _) in ways.items() if r.level == rule.level]:
                     del ways[other]
-                ways[(rule.strategy, rule.segments, rule.recompute_below)] = (rule, origin)
+                key = (rule.strategy, rule.segments, rule.recompute_below, rule.through)
+                ways[key] = (rule, origin)
 
+    _check_runs(model, decided)
     pinned = cfg.training_checkpoint_level
     level = pinned if pinned is not None else get_training_level()
     entries = _holds_several(
@@ -379,7 +388,9 @@ def _entry(
     """The plan entry of one module from the rules that decided its rungs."""
     used = sorted(rules.values(), key=lambda r: int(r[0].level))
     rungs = tuple(
-        PlannedRung(rule.level, rule.strategy, rule.segments, rule.recompute_below)
+        PlannedRung(
+            rule.level, rule.strategy, rule.segments, rule.recompute_below, through=rule.through
+        )
         for rule, _ in used
         if rule.level > 0
     )
@@ -463,6 +474,64 @@ def _check_segments(model: nn.Module, rule: LevelRule, origin: str, names: list[
                 "called one after the other) into groups, and this module has its own forward. "
                 "Select the nn.Sequential that holds the layers, or drop segments."
             )
+
+
+def run_members(model: nn.Module, name: str, through: str, origin: str) -> list[str]:
+    """Qualified names of the run from module ``name`` through its later sibling ``through``,
+    in the parent's order of children (a rule's ``through``).
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+    ...                           torch.nn.ReLU(), torch.nn.Flatten())
+    >>> run_members(net, "0", "2", "a rule")
+    ['0', '1', '2']
+    """
+    parent_name, _, own = name.rpartition(".")
+    if not name:
+        raise ConfigError(
+            f"{origin} runs the model itself through {through!r}; 'through' names a later "
+            "sibling of the selected module, and the model has none. Select the first module "
+            "of the run instead."
+        )
+    children = list(model.get_submodule(parent_name)._modules)
+    later = children[children.index(own) + 1 :]
+    if through not in later:
+        where = f"{parent_name!r}" if parent_name else "the model"
+        raise ConfigError(
+            f"{origin} runs {name!r} through {through!r}, which is not a later child of "
+            f"{where}; its children after {own!r} are: {', '.join(later) or '(none)'}. Name "
+            "the last module of the run."
+        )
+    prefix = f"{parent_name}." if parent_name else ""
+    return [prefix + c for c in [own, *later[: later.index(through) + 1]]]
+
+
+def _check_runs(
+    model: nn.Module, decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]
+) -> None:
+    """A module is the first of at most one run, and a later member of a run has no level of
+    its own: its forward belongs to the run."""
+    for name, ways in decided.items():
+        runs = {
+            k[-1]: (rule, origin) for k, (rule, origin) in ways.items() if len(k) == 4 and k[-1]
+        }
+        if len(runs) > 1:
+            texts = "; ".join(f"{o} ({r})" for r, o in runs.values())
+            raise ConfigError(
+                f"{name!r} starts runs through {', '.join(map(repr, runs))} ({texts}); a module "
+                "starts at most one run. Keep one of these rules, or give them one 'through'."
+            )
+        for through, (rule, origin) in runs.items():
+            for member in run_members(model, name, through, f"{origin} ({rule})")[1:]:
+                own = [(r, o) for k, (r, o) in decided.get(member, {}).items() if r.level > 0]
+                if own:
+                    r, o = own[0]
+                    raise ConfigError(
+                        f"{member!r} is inside the run {name!r} through {through!r} of {origin} "
+                        f"({rule}) and also has a level of its own from {o} ({r}); a module "
+                        "of a run is checkpointed with the run. Drop one of the two rules, or "
+                        "end the run before it."
+                    )
 
 
 def _no_match(
@@ -561,9 +630,22 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
     install(
         (module, entry.name, _policy(the_plan, entry, shared))
         for entry, module in installs
-        if entry.rungs  # never checkpointed: leave the module untouched
+        if entry.rungs and not _through(entry)  # never checkpointed: leave it untouched
     )
+    for entry, _ in installs:
+        through = _through(entry)
+        if through is not None:
+            names = run_members(model, entry.name, through, f"the plan's {entry.name!r}")
+            install_chain(
+                [(model.get_submodule(n), n) for n in names],
+                _policy(the_plan, entry, shared),
+                f"{entry.name}..{through}",
+            )
     return the_plan
+
+
+def _through(entry: PlanEntry) -> str | None:
+    return next((r.through for r in entry.rungs if r.through is not None), None)
 
 
 def self_checkpointing(model: nn.Module) -> list[str]:
@@ -613,7 +695,7 @@ def _policy(
         else:
             context_fn = save_ops(keep, None, False) if keep is not None else None
         rungs.append(
-            Rung(r.level, r.strategy, r.segments, context_fn, r.until)  # type: ignore[arg-type]
+            Rung(r.level, r.strategy, r.segments, context_fn, r.until, r.through)  # type: ignore[arg-type]
         )
     return Policy(
         tuple(rungs),

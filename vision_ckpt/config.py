@@ -214,7 +214,7 @@ class LevelRule(_Schema):
 
     >>> LevelRule(match="blocks.*", level=3)  # doctest: +NORMALIZE_WHITESPACE
     LevelRule(match='blocks.*', match_type=None, level=<Level.MEDIUM_MODULE: 3>,
-              strategy='full', segments=None, recompute_below=None)
+              strategy='full', segments=None, recompute_below=None, through=None)
     >>> str(LevelRule(match_type="Mlp", level="block"))
     "match_type='Mlp' level=2"
     """
@@ -253,6 +253,23 @@ class LevelRule(_Schema):
     a 3x3 depthwise one 18): their outputs are large and quick to redo. ``null`` keeps the
     output of every one of them."""
 
+    through: str | None = None
+    """For strategy ``full``: the name of a later sibling of the selected module. The module
+    and its siblings up to and including that one, which their parent calls one after another
+    on one tensor (a stem of conv, norm, activation and pool that is not one module, such as
+    ResNet's ``conv1`` ... ``maxpool``), are checkpointed as one region. The run is checked
+    at every call; where the parent does anything else, the region ends there, exactly."""
+
+    @field_validator("through")
+    @classmethod
+    def _check_through(cls, value: str | None) -> str | None:
+        if value is not None and (not value or "." in value or "*" in value):
+            raise ValueError(
+                f"through {value!r} is not a sibling's name: give the plain name of a later "
+                "child of the same parent, such as 'maxpool' (no dots, no wildcards)"
+            )
+        return value
+
     @field_validator("match")
     @classmethod
     def _check_match(cls, value: str | None) -> str | None:
@@ -287,6 +304,13 @@ class LevelRule(_Schema):
                 f"{self.strategy!r}; it only tells a selective strategy which outputs to "
                 "recompute: add strategy: selective, or drop recompute_below"
             )
+        if self.through is not None and (self.strategy != "full" or self.segments is not None):
+            raise ValueError(
+                f"rule {self} runs its module through {self.through!r} with "
+                f"{'segments' if self.segments is not None else f'strategy {self.strategy!r}'}; "
+                "a run of sibling modules is checkpointed as one full region: use strategy "
+                "'full' without segments, or drop through"
+            )
         return self
 
     def __str__(self) -> str:
@@ -302,6 +326,8 @@ class LevelRule(_Schema):
             parts.append(f"segments={self.segments}")
         if self.recompute_below is not None:
             parts.append(f"recompute_below={self.recompute_below}")
+        if self.through is not None:
+            parts.append(f"through={self.through}")
         return " ".join(parts)
 
 

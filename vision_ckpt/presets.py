@@ -440,7 +440,7 @@ def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
     >>> m = timm.create_model("resnet18", pretrained=False)
     >>> rule, origin = preset_rules(m, "auto")[0]
     >>> origin
-    'preset resnet #1'
+    'preset resnet #0'
     """
     if _normalise(preset) == "auto":
         name = preset_for_model(model)
@@ -519,6 +519,10 @@ def _wrapper_rules(
         ]
         if not wanted:
             continue
+        if rule.through is not None and wanted[0] in lifted:
+            # a run of lifted children: its last member was lifted with them (a_b)
+            container = lifted[wanted[0]].partition(".")[0]
+            rule = rule.model_copy(update={"through": f"{container}_{rule.through}"})
         for candidate in (rule, _lifted_rule(rule, {n.partition(".")[0] for n in lifted.values()})):
             if candidate is not None and list(_selecting(candidate, modules)) == wanted:
                 out.append((i, candidate))

@@ -84,8 +84,8 @@ __all__ = [
     "get_training_level",
 ]
 # Used by the install layer (vision_ckpt._install), not re-exported by the package:
-# Rung, Policy, choose_rung, run_policy, run_segments, segment_size, SaveOps, HEAVY_OPS,
-# flops_per_output.
+# Rung, Policy, choose_rung, run_policy, run_segments, segment_size, ChainCall, SaveOps,
+# HEAVY_OPS, flops_per_output.
 
 
 # The process-wide training level (not thread-local: DataParallel replicas run forward on their
@@ -342,6 +342,9 @@ class Rung:
     until: Level | None = None
     """A selective rung stops applying at this training level (see NOTE [ Selective regions
     step aside ]); ``None``: it applies at every level from ``level`` on."""
+    through: str | None = None
+    """The last of a run of sibling modules checkpointed with this one as one region (see
+    :class:`ChainCall`); ``None``: the module alone."""
 
     @property
     def group(self) -> bool:
@@ -456,6 +459,50 @@ def run_policy(
         context_fn=_bind_region(rung.context_fn, label),
         **kwargs,
     )
+
+
+class ChainCall:
+    """One run of sibling modules, called one after another by their parent, checkpointed as
+    one region (a rule's ``through``; NOTE [ Regions of consecutive calls ] in ``_core``).
+
+    :meth:`open` decides with the first module's policy, as :func:`run_policy` does, and
+    :meth:`run` runs each call under the training level captured then, so regions inside the
+    run take the same decisions in forward and recomputation.
+    """
+
+    __slots__ = ("region", "level", "group")
+
+    def __init__(self, region: _core.ChainRegion, level: Level, group: bool) -> None:
+        self.region = region
+        self.level = level
+        self.group = group
+
+    @classmethod
+    def open(cls, policy: Policy, modules: list[nn.Module], label: str, x: Any) -> ChainCall | None:
+        """The run starting at input ``x``, or ``None`` when the policy's rung now is not a
+        run (the first module is then called as :func:`run_policy` decides)."""
+        rung = choose_rung(policy)
+        if rung is None or rung.through is None or not isinstance(x, torch.Tensor):
+            return None
+        if torch.compiler.is_compiling():
+            return None  # under torch.compile the modules run as they are
+        ambient = _region.level
+        if ambient is None:
+            ambient = _training_level
+        pinned = policy.training_level
+        group = rung.group or int(ambient if pinned is None else pinned) in policy.holds_several
+        region = _core.ChainRegion(
+            x, modules=modules, label=label, preserve_rng_state=policy.preserve_rng_state
+        )
+        return cls(region, ambient, group)
+
+    def run(self, fn: Callable[[Any], Any], x: torch.Tensor) -> Any:
+        """Call ``fn(x)`` as the run's next call."""
+        return self.region.run(_RunAtLevel(fn, self.level, self.group), x)
+
+    def same_autocast(self) -> bool:
+        """Whether autocast is as it was at the run's first call."""
+        return self.region.same_autocast()
 
 
 def segment_size(rung: Rung, n: int) -> int:

@@ -1,0 +1,240 @@
+"""Runs of sibling modules checkpointed as one region (a rule's ``through``): a stem whose conv,
+norm, activation and pool are called one by one from the parent's forward."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vision_ckpt
+from vision_ckpt import ConfigError
+from vision_ckpt._memory import track_peak_memory
+
+STEM = {"match": "conv", "level": 1, "through": "pool"}
+
+
+class StemNet(nn.Module):
+    """ResNet's shape: the parent calls its stem's layers one by one, then a body."""
+
+    def __init__(self, between: str | None = None) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.act = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.3)
+        self.pool = nn.MaxPool2d(2)
+        self.body = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Linear(8, 4)
+        self.between = between
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        x = self.bn(x)
+        if self.between == "scale":
+            x = x * 2  # work between two members: the run must end before it
+        elif self.between == "inplace":
+            x.mul_(2)
+        elif self.between == "rng":
+            torch.rand(1)  # randomness drawn between two members, outside the run
+        x = self.act(x)
+        x = self.drop(x)
+        x = self.pool(x)
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def _step(model: nn.Module, x: torch.Tensor, seed: int = 0) -> dict[str, object]:
+    torch.manual_seed(seed)
+    out = model(x)
+    out.square().sum().backward()
+    return {
+        "out": out.detach(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "x_grad": x.grad.clone() if x.grad is not None else None,
+    }
+
+
+@pytest.mark.parametrize("between", [None, "rng"])
+@pytest.mark.parametrize("level", [0, 1, 3])
+def test_run_is_exact_with_dropout_and_batchnorm(assert_exact, level: int, between) -> None:
+    torch.manual_seed(0)
+    plain = StemNet(between)
+    model = copy.deepcopy(plain)
+    vision_ckpt.apply(model, {"training_checkpoint_level": level, "rules": [STEM]})
+    x = torch.randn(4, 3, 16, 16, requires_grad=True)
+    ref = _step(plain, x.detach().clone().requires_grad_())
+    got = _step(model, x)
+    assert_exact(got, ref)
+
+
+def test_run_keeps_only_its_input_and_recomputes_each_member(saved_bytes, op_counter) -> None:
+    model = StemNet()
+    x = torch.randn(4, 3, 16, 16)
+    with saved_bytes() as plain:
+        model(x)
+    vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [STEM]})
+    with saved_bytes() as ran:
+        model(x)
+    # conv output, BN output (the ReLU's, in place), dropout mask and output, pool indices:
+    # five (4, 8, 16, 16)-sized tensors or so no longer kept; the input is the run's
+    assert plain.nbytes - ran.nbytes >= 4 * 4 * 8 * 16 * 16
+
+    # backward recomputes the stem: its conv and pool run once more, the body's conv does not
+    out = model(x).sum()
+    with op_counter() as ops:
+        out.backward()
+    assert ops.counts["convolution"] == 1 and ops.counts["max_pool2d_with_indices"] == 1
+
+
+@pytest.mark.parametrize("between", ["scale", "inplace"])
+def test_work_between_members_ends_the_run_exactly_with_a_warning(assert_exact, between) -> None:
+    torch.manual_seed(0)
+    plain = StemNet(between)
+    model = copy.deepcopy(plain)
+    vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [STEM]})
+    x = torch.randn(2, 3, 8, 8)
+    ref = _step(plain, x)
+    reason = "something other than its output" if between == "scale" else "modified in place"
+    with pytest.warns(
+        UserWarning, match=rf"run 'conv..pool' .* ended after 'bn': 'act' .*{reason}"
+    ):
+        got = _step(model, x)
+    assert_exact(got, ref)
+
+
+def test_a_run_inside_a_recomputed_region_is_exact(assert_exact) -> None:
+    torch.manual_seed(0)
+    plain = StemNet()
+    model = copy.deepcopy(plain)
+    cfg = {
+        "training_checkpoint_level": 5,
+        "nesting": "all",
+        "rules": [STEM, {"match_type": "StemNet", "level": 5}],
+    }
+    vision_ckpt.apply(model, cfg)
+    x = torch.randn(2, 3, 8, 8)
+    assert_exact(_step(model, x), _step(plain, x))
+
+
+def test_run_leaves_the_model_as_it_was_and_survives_copies() -> None:
+    model = StemNet()
+    keys = list(model.state_dict())
+    params = [id(p) for p in model.parameters()]
+    names = [n for n, _ in model.named_modules()]
+    the_plan = vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [STEM]})
+    assert "full through pool 1" in str(the_plan)
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+    assert [n for n, _ in model.named_modules()] == names
+    assert "member 2 of the checkpointed run 'conv..pool'" in repr(model.act.forward)
+    x = torch.randn(2, 3, 8, 8)
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        torch.manual_seed(1)
+        a = other(x)
+        torch.manual_seed(1)
+        b = model(x)
+        assert torch.equal(a, b)
+        assert other.act.forward.chain is not model.act.forward.chain
+    assert vision_ckpt.remove(model) == 5
+    assert "forward" not in model.act.__dict__
+
+
+def test_eval_and_no_grad_run_plainly(core_calls) -> None:
+    model = StemNet()
+    vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [STEM]})
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    y = model(x.requires_grad_())
+    assert y.grad_fn is not None and not core_calls
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        (
+            {"match": "conv", "level": 1, "through": "nope"},
+            r"rules\[0\] .* runs 'conv' through 'nope', which is not a later child of the "
+            r"model; its children after 'conv' are: bn, act, drop, pool, body, head\.",
+        ),
+        (
+            {"match": "pool", "level": 1, "through": "conv"},
+            r"runs 'pool' through 'conv', which is not a later child .* after 'pool' are: "
+            r"body, head",
+        ),
+        (
+            {"match_type": "StemNet", "level": 1, "through": "conv"},
+            r"runs the model itself through 'conv'; 'through' names a later sibling",
+        ),
+        (
+            {"match": "conv", "level": 1, "through": "body.0"},
+            r"through 'body\.0' is not a sibling's name",
+        ),
+        (
+            {"match": "conv", "level": 1, "through": "pool", "strategy": "selective"},
+            r"runs its module through 'pool' with strategy 'selective'; a run of sibling "
+            r"modules is checkpointed as one full region",
+        ),
+    ],
+)
+def test_bad_runs_say_what_is_allowed(rule, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        vision_ckpt.plan(StemNet(), {"rules": [rule]})
+
+
+def test_a_member_with_a_level_of_its_own_is_refused() -> None:
+    rules = [STEM, {"match": "pool", "level": 2}]
+    with pytest.raises(
+        ConfigError,
+        match=r"'pool' is inside the run 'conv' through 'pool' of rules\[0\] .* and also has a "
+        r"level of its own from rules\[1\]",
+    ):
+        vision_ckpt.plan(StemNet(), {"rules": rules})
+    # a level-0 rule only says "not on its own": allowed
+    vision_ckpt.plan(StemNet(), {"rules": [STEM, {"match": "pool", "level": 0}]})
+    with pytest.raises(ConfigError, match=r"'conv' starts runs through 'pool', 'act'"):
+        vision_ckpt.plan(StemNet(), {"rules": [STEM, {**STEM, "level": 2, "through": "act"}]})
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "efficientnet_b0", "densenet121"])
+def test_timm_stems_are_one_region_at_level_1(arch: str, assert_exact) -> None:
+    torch.manual_seed(0)
+    kwargs = {"num_classes": 10, "drop_rate": 0.2}
+    if arch == "densenet121":
+        kwargs.update(growth_rate=4, block_config=(1, 1, 1, 1))
+    plain = timm.create_model(arch, pretrained=False, **kwargs)
+    model = copy.deepcopy(plain)
+    the_plan = vision_ckpt.apply_preset(model, 1)
+    stem = [e for e in the_plan if any(r.through for r in e.rungs)]
+    assert len(stem) == 1 and stem[0].checkpointed
+    x = torch.randn(2, 3, 64, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the whole stem joins the run: no member breaks it
+        got = _step(model, x)
+    assert_exact(got, _step(plain, x))
+
+
+def test_torchvision_resnet_stem_lowers_the_peak() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(num_classes=10)
+    x = torch.randn(2, 3, 64, 64)
+    y = torch.randint(0, 10, (2,))
+
+    def peak() -> int:
+        with track_peak_memory(model, x) as mem:
+            F.cross_entropy(model(x), y).backward()
+        return mem.peak_bytes
+
+    vision_ckpt.apply_preset(model, 3)
+    with_stem = peak()
+    vision_ckpt.apply_preset(model, 3, rules=[{"match": "conv1", "level": 0}])
+    without = peak()
+    # the stem's conv and BN outputs and the pool indices at 32x32 (2 x 64 channels)
+    assert without - with_stem >= 2 * 64 * 32 * 32 * 4 * 2
