@@ -22,7 +22,9 @@ Measured per variant:
 - ``time``: the median over ``--reps`` rounds; the rounds interleave the variants (one step of
   each per round, in an order that rotates from round to round), and ``time/L0`` is the
   median of the per-round ratios to ``L0``, so machine load that changes between rounds
-  cancels;
+  cancels. ``--clock cpu`` times the process's CPU seconds instead of wall seconds: with
+  ``--threads 1`` that is the step's own compute, which other work on a shared machine
+  changes far less than it changes wall time (time spent waiting for a core is not counted);
 - ``BN``: whether the BatchNorm running statistics after the first step equal ``L0``'s exactly.
 
 The frontier is the set of variants no other variant beats on both peak (``prof peak``) and
@@ -33,6 +35,7 @@ Usage::
 
     python benchmarks/bench_frontier.py --threads 2 --reps 3                 # six models, batch 32
     python benchmarks/bench_frontier.py --models resnet50 --batch-sizes 8 --reps 2 --no-compile
+    python benchmarks/bench_frontier.py --threads 1 --clock cpu --no-compile    # a shared CPU
     python benchmarks/bench_frontier.py --render out/results.json            # table + plot again
 """
 
@@ -192,8 +195,15 @@ def _inductor_with_budget(budget: float):
 
 
 def bench_model(
-    name: str, batch: int, reps: int, variants: list[str], compile_: bool, console: Console
+    name: str,
+    batch: int,
+    reps: int,
+    variants: list[str],
+    compile_: bool,
+    console: Console,
+    clock: str = "wall",
 ) -> list[Row]:
+    now = time.process_time if clock == "cpu" else time.perf_counter
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False).train()
     gen = torch.Generator().manual_seed(0)
@@ -231,9 +241,9 @@ def bench_model(
         # the order rotates each round: on a shared CPU the later steps of a round ran slower
         shift = round_ * len(runs) // max(1, reps)
         for run in runs[shift:] + runs[:shift]:
-            start = time.perf_counter()
+            start = now()
             run.run(x, y)
-            times[run.name] = time.perf_counter() - start
+            times[run.name] = now() - start
             rows[run.name].times_s.append(times[run.name])
         for run in runs:
             ratios[run.name].append(times[run.name] / times["L0"])
@@ -428,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="time wall seconds, or the process's CPU seconds (use with --threads 1)",
+    )
     p.add_argument("--out", default="frontier_out")
     p.add_argument("--render", help="results.json of an earlier run: print and plot it again")
     args = p.parse_args(argv)
@@ -447,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             for name in args.models.split(","):
-                rows += bench_model(name, batch, args.reps, variants, args.compile, console)
+                rows += bench_model(
+                    name, batch, args.reps, variants, args.compile, console, args.clock
+                )
                 Path(out / "results.json").write_text(
                     json.dumps(
                         {

@@ -4,8 +4,10 @@ norm, activation and pool are called one by one from the parent's forward."""
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 import warnings
+import weakref
 
 import pytest
 import timm
@@ -39,8 +41,14 @@ class StemNet(nn.Module):
         x = self.bn(x)
         if self.between == "scale":
             x = x * 2  # work between two members: the run must end before it
+        elif self.between == "keep":
+            self.kept = x  # the output stays alive, but act gets another tensor
+            x = x + 1
         elif self.between == "inplace":
             x.mul_(2)
+        elif self.between == "no_grad":
+            with torch.no_grad():  # a side computation on the very output (a metric, say)
+                self.act(x)
         elif self.between == "rng":
             torch.rand(1)  # randomness drawn between two members, outside the run
         x = self.act(x)
@@ -93,15 +101,24 @@ def test_run_keeps_only_its_input_and_recomputes_each_member(saved_bytes, op_cou
     assert ops.counts["convolution"] == 1 and ops.counts["max_pool2d_with_indices"] == 1
 
 
-@pytest.mark.parametrize("between", ["scale", "inplace"])
-def test_work_between_members_ends_the_run_exactly_with_a_warning(assert_exact, between) -> None:
+@pytest.mark.parametrize(
+    ("between", "reason"),
+    [
+        ("scale", "was called after the previous output was freed"),
+        ("keep", "was called with something other than its output"),
+        ("inplace", "modified in place"),
+        ("no_grad", "was called where grad mode is off"),
+    ],
+)
+def test_work_between_members_ends_the_run_exactly_with_a_warning(
+    assert_exact, between, reason
+) -> None:
     torch.manual_seed(0)
     plain = StemNet(between)
     model = copy.deepcopy(plain)
     vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [STEM]})
     x = torch.randn(2, 3, 8, 8)
     ref = _step(plain, x)
-    reason = "something other than its output" if between == "scale" else "modified in place"
     with pytest.warns(
         UserWarning, match=rf"run 'conv..pool' .* ended after 'bn': 'act' .*{reason}"
     ):
@@ -121,6 +138,39 @@ def test_a_run_inside_a_recomputed_region_is_exact(assert_exact) -> None:
     vision_ckpt.apply(model, cfg)
     x = torch.randn(2, 3, 8, 8)
     assert_exact(_step(model, x), _step(plain, x))
+
+
+def test_a_run_split_by_an_enclosing_region_ends_at_its_boundary(assert_exact) -> None:
+    """Segments of a stack put the run's members in two regions: a member must not join a run
+    opened in another region, whose recomputation would not see it."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Conv2d(4, 4, 3, padding=1) for _ in range(4)])
+    model = copy.deepcopy(plain)
+    rules = [
+        {"match": "1", "level": 1, "through": "2"},
+        {"match_type": "Sequential", "level": 4, "segments": 2},
+    ]
+    vision_ckpt.apply(model, {"training_checkpoint_level": 4, "rules": rules})
+    x = torch.randn(2, 4, 6, 6, requires_grad=True)
+    ref = _step(plain, x.detach().clone().requires_grad_())
+    with pytest.warns(UserWarning, match=r"'2' was called where it runs inside another"):
+        got = _step(model, x)
+    assert_exact(got, ref)
+
+
+def test_a_run_the_parent_leaves_unfinished_keeps_nothing_alive() -> None:
+    class Partial(StemNet):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.conv(x)).sum()  # never calls act, drop, pool
+
+    model = Partial()
+    vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [STEM]})
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    model(x).backward()
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    assert alive() is None
 
 
 def test_run_leaves_the_model_as_it_was_and_survives_copies() -> None:
@@ -238,3 +288,20 @@ def test_torchvision_resnet_stem_lowers_the_peak() -> None:
     without = peak()
     # the stem's conv and BN outputs and the pool indices at 32x32 (2 x 64 channels)
     assert without - with_stem >= 2 * 64 * 32 * 32 * 4 * 2
+
+
+@pytest.mark.parametrize(
+    ("arch", "indices", "head", "rung"),
+    [
+        ("resnet18", (0,), "conv1", "full through act1 1"),
+        ("resnet18", (0, 1), "conv1", "full through maxpool 1"),
+        ("densenet121", (0,), "features_conv0", "full through features_norm0 1"),
+        ("densenet121", (1,), "features_conv0", "full through features_pool0 1"),
+    ],
+)
+def test_a_feature_wrapper_keeps_the_part_of_the_stem_it_has(arch, indices, head, rung) -> None:
+    """timm's ``features_only`` wrapper lifts DenseNet's stem out of ``features`` and, with
+    ``out_indices``, may drop the end of a stem: the run ends at its last member kept."""
+    model = timm.create_model(arch, pretrained=False, features_only=True, out_indices=indices)
+    the_plan = vision_ckpt.plan(model, {"preset": "auto", "training_checkpoint_level": 1})
+    assert [str(r) for r in the_plan[head].rungs] == [rung]

@@ -1079,13 +1079,22 @@ def checkpoint_sequential(
 #   1. each call after the first receives the previous call's output, the very tensor object,
 #      unmodified since (same version), and nothing else: so replaying the calls in order
 #      reproduces every tensor the region saved;
-#   2. autocast is the same at every call as at the first;
+#   2. every call runs in the context of the first (``same_context``): grad mode on, the same
+#      autocast state, and the same saved-tensor hooks below the region's own, i.e. inside the
+#      same enclosing region. The replay runs all calls in the first one's context; a call
+#      under no_grad, or one whose tensors an enclosing region of its own would recompute,
+#      would save different tensors there;
 #   3. the RNG state at the start of every call is stashed and reinstalled before that call
 #      is replayed, so randomness drawn between calls (outside the region) cannot shift what
 #      the region draws;
 #   4. the holders of the frame are exactly the tensors saved inside the calls made so far,
 #      so a run that stops early (the caller broke invariant 1) stays exact: it is simply a
 #      shorter region.
+
+
+def _top_pack_hook() -> Any:
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if hooks is None else hooks[0]
 
 
 class _Replay:
@@ -1121,7 +1130,7 @@ class ChainRegion:
     torch.Size([2, 3, 8, 8])
     """
 
-    __slots__ = ("frame", "replay", "device_type", "preserve_rng_state")
+    __slots__ = ("frame", "replay", "device_type", "preserve_rng_state", "outer")
 
     def __init__(
         self,
@@ -1137,6 +1146,7 @@ class ChainRegion:
         self.device_type = _accelerator_type([x])
         frame.autocast = _capture_autocast(self.device_type)
         self.preserve_rng_state = preserve_rng_state
+        self.outer = _top_pack_hook()
         batchnorms: list[torch.nn.Module] = []
         for module in modules:
             batchnorms += _region_batchnorms(module, module)
@@ -1149,9 +1159,16 @@ class ChainRegion:
         )
         self.frame = frame
 
-    def same_autocast(self) -> bool:
-        """Whether autocast is now as it was when the region was opened (invariant 2)."""
-        return _capture_autocast(self.device_type) == self.frame.autocast
+    def same_context(self) -> str | None:
+        """``None`` when a call now runs in the context of the first (invariant 2), else what
+        differs."""
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return "grad mode is off"
+        if _capture_autocast(self.device_type) != self.frame.autocast:
+            return "autocast differs"
+        if _top_pack_hook() is not self.outer:
+            return "it runs inside another checkpointed region (or other saved-tensor hooks)"
+        return None
 
     def run(self, fn: Callable[[Any], Any], x: torch.Tensor) -> Any:
         """Call ``fn(x)`` as the region's next call and return its output."""

@@ -110,8 +110,11 @@ class CheckpointedForward:
 class _OpenRuns(threading.local):
     def __init__(self) -> None:
         # id(Chain) -> (the open run, index of the module expected next, weak reference to
-        # the tensor it must receive, that tensor's version when the previous call returned)
-        self.runs: dict[int, tuple[ChainCall, int, weakref.ref[Any], int]] = {}
+        # the tensor it must receive, that tensor's version when the previous call returned).
+        # When that tensor is freed first (the parent computed something else from it,
+        # returned early, or a member raised) the run can never go on and must not keep its
+        # input: the entry becomes (None, index, None, 0), which only remembers where it ended.
+        self.runs: dict[int, tuple[ChainCall | None, int, weakref.ref[Any] | None, int]] = {}
 
 
 _open_runs = _OpenRuns()
@@ -129,14 +132,21 @@ class Chain:
     def modules(self) -> list[nn.Module]:
         return [m.module for m in self.members]
 
-    def pending(self) -> tuple[ChainCall, int, weakref.ref[Any], int] | None:
+    def pending(self) -> tuple[ChainCall | None, int, weakref.ref[Any] | None, int] | None:
         return _open_runs.runs.get(id(self))
 
     def expect(self, call: ChainCall, index: int, out: Any) -> None:
         """After the call of member ``index - 1`` returned ``out``: wait for member ``index``,
         or end the run when it was the last member or ``out`` is not one tensor."""
         if index < len(self.members) and isinstance(out, torch.Tensor):
-            _open_runs.runs[id(self)] = (call, index, weakref.ref(out), out._version)
+            runs, key = _open_runs.runs, id(self)
+
+            def forget(ref: weakref.ref[Any]) -> None:  # on whichever thread frees ``out``
+                entry = runs.get(key)
+                if entry is not None and entry[2] is ref:
+                    runs[key] = (None, index, None, 0)
+
+            runs[key] = (call, index, weakref.ref(out, forget), out._version)
         else:
             self.close()
 
@@ -152,7 +162,7 @@ class Chain:
             "exactly; the rest of the run is not. Check that the parent's forward calls these "
             "modules one after another on one tensor, or drop 'through' from the rule.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,  # the parent's forward: this, __call__, nn.Module's two call frames
         )
 
 
@@ -161,11 +171,11 @@ class ChainedForward(CheckpointedForward):
 
     NOTE [ Runs of sibling calls ]
     The first member opens the run (when its policy checkpoints it now) and every later member
-    joins it only if it receives exactly the previous member's output, unmodified, and
-    autocast is unchanged: then replaying the members in order recomputes the region (NOTE
-    [ Regions of consecutive calls ] in ``_core``). Any other call ends the run where it is
-    and runs plainly, so a parent that does something else between them gets exact gradients
-    and a warning, never a wrong recomputation.
+    joins it only if it receives exactly the previous member's output, unmodified, with grad
+    mode, autocast and the enclosing region unchanged: then replaying the members in order
+    recomputes the region (NOTE [ Regions of consecutive calls ] in ``_core``). Any other call
+    ends the run where it is and runs plainly, so a parent that does something else between
+    them gets exact gradients and a warning, never a wrong recomputation.
     """
 
     def __init__(
@@ -192,14 +202,19 @@ class ChainedForward(CheckpointedForward):
         if pending is None:
             return run(*args, **kwargs)
         call, index, ref, version = pending
-        if index != self.index:
+        if call is None or ref is None:  # the output it waited for was freed
+            if index == self.index:
+                chain.broken(index, "was called after the previous output was freed")
+            else:
+                chain.close()
+        elif index != self.index:
             chain.broken(index, f"was not called next ({run.name!r} was)")
         elif one is None or ref() is not one:
             chain.broken(index, "was called with something other than its output")
         elif one._version != version:
             chain.broken(index, "was called with its output after it was modified in place")
-        elif not call.same_autocast():
-            chain.broken(index, "was called under another autocast state")
+        elif (differs := call.same_context()) is not None:
+            chain.broken(index, f"was called where {differs}")
         else:
             out = call.run(run, one)
             chain.expect(call, index + 1, out)

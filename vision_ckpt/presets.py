@@ -519,10 +519,8 @@ def _wrapper_rules(
         ]
         if not wanted:
             continue
-        if rule.through is not None and wanted[0] in lifted:
-            # a run of lifted children: its last member was lifted with them (a_b)
-            container = lifted[wanted[0]].partition(".")[0]
-            rule = rule.model_copy(update={"through": f"{container}_{rule.through}"})
+        if rule.through is not None and len(wanted) == 1:
+            rule = _run_in_wrapper(rule, wanted[0], original_name(wanted[0]), original, wrapper)
         for candidate in (rule, _lifted_rule(rule, {n.partition(".")[0] for n in lifted.values()})):
             if candidate is not None and list(_selecting(candidate, modules)) == wanted:
                 out.append((i, candidate))
@@ -532,6 +530,30 @@ def _wrapper_rules(
             match = exact[0] if len(exact) == 1 else "re:" + "|".join(map(re.escape, wanted))
             out.append((i, rule.model_copy(update={"match": match, "match_type": None})))
     return out
+
+
+def _run_in_wrapper(
+    rule: LevelRule, name: str, original_name: str, original: nn.Module, wrapper: nn.Module
+) -> LevelRule:
+    """``rule``, a run from ``original_name`` through ``rule.through`` in the original model,
+    ending at its last member the wrapper kept, under the wrapper's names (a lifted run's last
+    member was lifted with it: ``features_pool0``); a run cut to its first module is that
+    module alone. A wrapper truncated by ``out_indices`` may drop the end of a stem."""
+    parent, _, own = original_name.rpartition(".")
+    siblings = list(original.get_submodule(parent)._modules)
+    start = siblings.index(own)
+    if rule.through not in siblings[start + 1 :]:
+        return rule  # not a run of this model: plan() says so
+    run = siblings[start : siblings.index(rule.through) + 1]
+    wrapper_parent, _, wrapper_own = name.rpartition(".")
+    prefix = wrapper_own[: len(wrapper_own) - len(own)]  # "features_" when lifted
+    present = set(wrapper.get_submodule(wrapper_parent)._modules)
+    kept = []
+    for member in run:
+        if prefix + member not in present:
+            break
+        kept.append(prefix + member)
+    return rule.model_copy(update={"through": kept[-1] if len(kept) > 1 else None})
 
 
 def _lifted_rule(rule: LevelRule, containers: set[str]) -> LevelRule | None:

@@ -500,9 +500,10 @@ class ChainCall:
         """Call ``fn(x)`` as the run's next call."""
         return self.region.run(_RunAtLevel(fn, self.level, self.group), x)
 
-    def same_autocast(self) -> bool:
-        """Whether autocast is as it was at the run's first call."""
-        return self.region.same_autocast()
+    def same_context(self) -> str | None:
+        """``None`` when a call now may join the run, else why not (grad mode, autocast or
+        the enclosing region differ from the first call's)."""
+        return self.region.same_context()
 
 
 def segment_size(rung: Rung, n: int) -> int:
