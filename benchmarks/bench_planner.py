@@ -9,7 +9,9 @@ For each model (``pretrained=False``, synthetic 224 px data, the device given) a
 3. for each budget ``plan_for_budget`` plans from small batches (its wall time is reported,
    also in units of one small-batch step), and the plan is measured the same way;
 4. times come from interleaved rounds (one step of every variant per round, ``--reps`` rounds),
-   as medians of the per-round ratios to level 0, so load that changes between rounds cancels.
+   as medians of the per-round ratios to level 0, so load that changes between rounds cancels;
+   ``--clock cpu`` times the rounds in the process's CPU seconds (with ``--threads 1``, the
+   steps' own compute, which other work on a shared machine changes far less than wall time).
 
 Reported per budget: the plan's measured peak (must fit), its time against the *lowest uniform
 level that fits* (the issue's bar: at least 10% faster on two of three budgets), and the
@@ -19,6 +21,7 @@ Usage::
 
     python benchmarks/bench_planner.py --threads 2 --reps 3   # resnet18, vit_small, convnext_tiny
     python benchmarks/bench_planner.py --models resnet18 --batch 16 --reps 2
+    python benchmarks/bench_planner.py --threads 1 --clock cpu --reps 3   # a shared CPU
 """
 
 from __future__ import annotations
@@ -107,8 +110,14 @@ def _small_step_time(model: nn.Module, x: torch.Tensor) -> float:
 
 
 def bench_model(
-    name: str, batch: int, reps: int, device: torch.device, console: Console
+    name: str,
+    batch: int,
+    reps: int,
+    device: torch.device,
+    console: Console,
+    clock: str = "wall",
 ) -> list[PlanRow]:
+    now = time.process_time if clock == "cpu" else time.perf_counter
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False).train().to(device)
     x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0)).to(device)
@@ -153,10 +162,10 @@ def bench_model(
         shift = round_ * len(variants) // max(1, reps)
         for v in variants[shift:] + variants[:shift]:
             _sync(device)
-            start = time.perf_counter()
+            start = now()
             _step(v.module, x)
             _sync(device)
-            times[v.name] = time.perf_counter() - start
+            times[v.name] = now() - start
             v.times.append(times[v.name])
         for v in variants:
             v.ratios.append(times[v.name] / times["L0"])
@@ -254,13 +263,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results/planner_b32")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="time the rounds in wall seconds, or the process's CPU seconds (use --threads 1)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console()
     rows: list[PlanRow] = []
     for name in args.models.split(","):
-        rows += bench_model(name, args.batch, args.reps, torch.device(args.device), console)
+        rows += bench_model(
+            name, args.batch, args.reps, torch.device(args.device), console, args.clock
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
