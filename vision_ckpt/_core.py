@@ -870,7 +870,6 @@ def _run(
     cuda_was_initialized = getattr(torch.cuda, "_initialized", False)
     frame.rng = _stash_rng(tensors) if preserve_rng_state else None
     frame.batchnorms = _region_batchnorms(function, module)
-    frame.device_ctx = _default_device() if torch._C._len_torch_function_stack() else None
 
     forward_ctx = recompute_ctx = None
     if context_fn is not None:
@@ -900,10 +899,7 @@ def _run(
         if len(unique) < len(tensors):
             frame.same_as = same_as
             tensors = unique
-    if _make_saved_tensor is not None:
-        frame.saved = [_make_saved_tensor(t, is_output=False) for t in tensors]
-    else:
-        frame.saved = _save_with_function(tensors)
+    frame.saved = _save_inputs(tensors)
 
     state = _state
     state.region_depth += 1
@@ -957,7 +953,16 @@ def _blank_frame(function: Callable[..., Any], label: str | None, check: bool) -
     frame.recompute_ctx = None
     frame.logs = None
     frame.same_as = None
+    frame.device_ctx = _default_device() if torch._C._len_torch_function_stack() else None
     return frame
+
+
+def _save_inputs(tensors: list[torch.Tensor]) -> list[Any]:
+    """The region's tensor inputs as SavedVariables of the enclosing hooks (NOTE [ Nested
+    checkpoints ]), through ``_make_saved_tensor`` where torch has it."""
+    if _make_saved_tensor is not None:
+        return [_make_saved_tensor(t, is_output=False) for t in tensors]
+    return _save_with_function(tensors)
 
 
 def _proxy_tracing() -> bool:
@@ -1151,12 +1156,7 @@ class ChainRegion:
         for module in modules:
             batchnorms += _region_batchnorms(module, module)
         frame.batchnorms = batchnorms
-        frame.device_ctx = _default_device() if torch._C._len_torch_function_stack() else None
-        frame.saved = (
-            [_make_saved_tensor(x, is_output=False)]
-            if _make_saved_tensor is not None
-            else _save_with_function([x])
-        )
+        frame.saved = _save_inputs([x])
         self.frame = frame
 
     def same_context(self) -> str | None:

@@ -358,7 +358,7 @@ def _strategy_config(
                 match=exact_name_pattern(entry.name),
                 level=_LEVEL[strategy],
                 strategy="selective" if strategy == "selective" else "full",
-                through=None if strategy == "selective" else _run_end(entry),
+                through=None if strategy == "selective" else entry.through,
             )
         )
         if strategy == "nested":
@@ -367,11 +367,6 @@ def _strategy_config(
                 for inner in inner_of[entry.name]
             ]
     return _only(base, rules)
-
-
-def _run_end(entry: Any) -> str | None:
-    """The last module of the run the plan entry starts (a rule's ``through``), or ``None``."""
-    return next((r.through for r in entry.rungs if r.through is not None), None)
 
 
 def _only(base: CheckpointConfig, rules: Sequence[LevelRule]) -> CheckpointConfig:
@@ -444,7 +439,7 @@ def _measure_menus(
     runs = {
         e.name: run_members(model, e.name, end, "the planner")[1:]
         for e in candidates
-        if (end := _run_end(e)) is not None
+        if (end := e.through) is not None
     }
     entries = list(full_plan.entries)
     inner_of = {n: [e.name for e in entries if e.name.startswith(n + ".")] for n in names}

@@ -112,6 +112,12 @@ class PlanEntry:
         """The rung that applies at training ``level``: the highest one within it."""
         return rung_within(self.rungs, level)
 
+    @property
+    def through(self) -> str | None:
+        """The last module of the run of siblings this module starts (a rule's ``through``;
+        a module starts at most one), or ``None``."""
+        return next((r.through for r in self.rungs if r.through is not None), None)
+
 
 @dataclass(frozen=True)
 class CheckpointPlan:
@@ -630,10 +636,10 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
     install(
         (module, entry.name, _policy(the_plan, entry, shared))
         for entry, module in installs
-        if entry.rungs and not _through(entry)  # never checkpointed: leave it untouched
+        if entry.rungs and entry.through is None  # never checkpointed: leave it untouched
     )
     for entry, _ in installs:
-        through = _through(entry)
+        through = entry.through
         if through is not None:
             names = run_members(model, entry.name, through, f"the plan's {entry.name!r}")
             install_chain(
@@ -642,10 +648,6 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
                 f"{entry.name}..{through}",
             )
     return the_plan
-
-
-def _through(entry: PlanEntry) -> str | None:
-    return next((r.through for r in entry.rungs if r.through is not None), None)
 
 
 def self_checkpointing(model: nn.Module) -> list[str]:

@@ -398,9 +398,7 @@ def choose_rung(policy: Policy) -> Rung | None:
     level seen by recomputation ] and NOTE [ Nesting ].
     """
     region = _region
-    ambient = region.level
-    if ambient is None:
-        ambient = _training_level
+    ambient = _ambient_level()
     pinned = policy.training_level
     chosen = rung_within(policy.rungs, ambient if pinned is None else pinned)
     if chosen is None or _core.region_depth() == 0:
@@ -411,6 +409,21 @@ def choose_rung(policy: Policy) -> Rung | None:
     if nesting == "auto" and chosen.strategy == "selective":
         return chosen
     return None
+
+
+def _ambient_level() -> Level:
+    """The training level regions see now: the one captured when the innermost running region
+    was called, else the global one (NOTE [ The training level seen by recomputation ])."""
+    ambient = _region.level
+    return _training_level if ambient is None else ambient
+
+
+def _run_context(policy: Policy, rung: Rung) -> tuple[Level, bool]:
+    """The ambient level a region checkpointed with ``rung`` runs under, and whether it is a
+    group at the level that chose it (NOTE [ Nesting ])."""
+    ambient = _ambient_level()
+    pinned = policy.training_level
+    return ambient, rung.group or int(ambient if pinned is None else pinned) in policy.holds_several
 
 
 def run_policy(
@@ -431,12 +444,7 @@ def run_policy(
     rung = choose_rung(policy)
     if rung is None:
         return fn(*args, **kwargs)
-    ambient = _region.level
-    if ambient is None:
-        ambient = _training_level
-    pinned = policy.training_level
-    group = rung.group or int(ambient if pinned is None else pinned) in policy.holds_several
-    region = _RunAtLevel(fn, ambient, group)
+    region = _RunAtLevel(fn, *_run_context(policy, rung))
     if use_reentrant:
         if rung.context_fn is not None:
             raise ConfigError(
@@ -486,15 +494,10 @@ class ChainCall:
             return None
         if torch.compiler.is_compiling():
             return None  # under torch.compile the modules run as they are
-        ambient = _region.level
-        if ambient is None:
-            ambient = _training_level
-        pinned = policy.training_level
-        group = rung.group or int(ambient if pinned is None else pinned) in policy.holds_several
         region = _core.ChainRegion(
             x, modules=modules, label=label, preserve_rng_state=policy.preserve_rng_state
         )
-        return cls(region, ambient, group)
+        return cls(region, *_run_context(policy, rung))
 
     def run(self, fn: Callable[[Any], Any], x: torch.Tensor) -> Any:
         """Call ``fn(x)`` as the run's next call."""
@@ -542,9 +545,7 @@ def run_segments(
         return run_policy(policy, whole, (x,), {}, module=stack, label=label)
     layers = list(stack)
     size = segment_size(rung, len(layers))
-    ambient = _region.level
-    if ambient is None:
-        ambient = _training_level
+    ambient = _ambient_level()
     for start in range(0, len(layers), size):
         part_label = f"{label}[{start}:{start + size}]"
         x = _core.checkpoint_region(
