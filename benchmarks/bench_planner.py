@@ -15,7 +15,10 @@ For each model (``pretrained=False``, synthetic 224 px data, the device given) a
 
 Reported per budget: the plan's measured peak (must fit), its time against the *lowest uniform
 level that fits* (the issue's bar: at least 10% faster on two of three budgets), and the
-planner's predictions against the measurements (peak within 5%, time within 15%).
+planner's predictions against the measurements (peak within 5%, time within 15%). The time
+is compared as a ratio to level 0's (the planner's predicted plan/level-0 time against the
+measured one): the planner times its small steps in wall seconds, and a ratio is the same
+figure under either ``--clock``.
 
 Usage::
 
@@ -69,6 +72,7 @@ class PlanRow:
     plan_ratio: float | None
     predicted_ratio: float | None
     time_error: float | None
+    """Predicted plan/level-0 time ratio over the measured one, minus 1."""
     uniform_level: int | None
     uniform_peak_mb: float | None
     uniform_ratio: float | None
@@ -189,7 +193,6 @@ def bench_model(
             if result.predicted_time and result.base_time
             else None
         )
-        plan_time = statistics.median(variant.times) if variant else None
         rows.append(
             PlanRow(
                 model=name,
@@ -205,8 +208,8 @@ def bench_model(
                 plan_ratio=plan_ratio,
                 predicted_ratio=predicted_ratio,
                 time_error=(
-                    (result.predicted_time - plan_time) / plan_time
-                    if variant and result.predicted_time
+                    predicted_ratio / plan_ratio - 1
+                    if predicted_ratio is not None and plan_ratio is not None
                     else None
                 ),
                 uniform_level=uniform,
@@ -269,20 +272,36 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="time the rounds in wall seconds, or the process's CPU seconds (use --threads 1)",
     )
+    parser.add_argument(
+        "--render",
+        default=None,
+        help="results.json of an earlier run: tabulate it again (time error from its ratios)",
+    )
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     console = Console()
-    rows: list[PlanRow] = []
-    for name in args.models.split(","):
-        rows += bench_model(
-            name, args.batch, args.reps, torch.device(args.device), console, args.clock
-        )
-    out = Path(args.out)
+    if args.render:
+        rows = [PlanRow(**r) for r in json.loads(Path(args.render).read_text())]
+        for r in rows:
+            if r.predicted_ratio is not None and r.plan_ratio is not None:
+                r.time_error = r.predicted_ratio / r.plan_ratio - 1
+        out = Path(args.render).parent
+    else:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        rows = []
+        for name in args.models.split(","):
+            rows += bench_model(
+                name, args.batch, args.reps, torch.device(args.device), console, args.clock
+            )
+        out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     lines = table(rows)
-    (out / "table.md").write_text("\n".join(lines) + "\n")
+    note: list[str] = []  # a rendered table keeps the lines above the old one (its command)
+    if args.render and (out / "table.md").exists():
+        old = (out / "table.md").read_text().splitlines()
+        note = old[: next((i for i, x in enumerate(old) if x.startswith("| model")), 0)]
+    (out / "table.md").write_text("\n".join(note + lines) + "\n")
     console.print("\n".join(lines))
     for name in dict.fromkeys(r.model for r in rows):
         mine = [r for r in rows if r.model == name]
