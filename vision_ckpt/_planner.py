@@ -126,12 +126,16 @@ class BudgetPlan:
 
 def _candidate_blocks(plan: Any) -> list[Any]:
     """Non-overlapping blocks to choose from: the plan's entries at the finest level that covers
-    repeated blocks (level 3 if present, else 2, else 4), and the outermost entries outside
-    them, in forward order."""
+    repeated blocks (level 3 with the whole blocks of level 2 if present, else 2, else 4), and
+    the outermost entries outside them, in forward order."""
     by_level: dict[int, list[Any]] = {}
     for entry in plan.entries:
         for rung in entry.rungs or ():
             by_level.setdefault(int(rung.level), []).append(entry)
+            if int(rung.level) == 2 and rung.strategy == "full" and not rung.group:
+                # whole from level 2 on: a block of a preset that recomputes its memory-dense
+                # blocks first (ResNet's layer1-2), one of level 3's blocks
+                by_level.setdefault(3, []).append(entry)
         if not entry.rungs:
             by_level.setdefault(int(entry.level), []).append(entry)
     for level in (3, 2, 4, 1, 5):
