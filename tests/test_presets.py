@@ -142,14 +142,16 @@ def test_every_rule_selects_modules_in_its_family(preset: str) -> None:
         assert any(hits.values()), f"preset {preset} rules[{i}] ({rule}) selects nothing"
     for label, model in models:
         # Rules select modules that run a forward (never a ModuleList), and a level of whole
-        # blocks exists (DenseNet's dense layer, at 2, is its block: its 3-5 are that plan).
+        # blocks exists (DenseNet's dense layer, at 2, is its block; Swin's high-resolution
+        # blocks are whole at 2, the later ones selective: for both, 3-5 are level 2's plan).
         levels = set()
         for rule in cfg.rules:
             for name in _selected(rule, model):
                 module = model.get_submodule(name)
                 assert type(module).forward is not nn.Module.forward, (preset, label, name)
                 levels.add(int(rule.level))
-        assert max(levels) >= (2 if preset == "densenet" else 3), (preset, label, sorted(levels))
+        least = 2 if preset in ("densenet", "swin") else 3
+        assert max(levels) >= least, (preset, label, sorted(levels))
 
 
 # --- listing and loading -------------------------------------------------------------------
@@ -342,14 +344,18 @@ def test_preset_that_selects_nothing_is_an_error() -> None:
 def test_plan_reports_preset_origins() -> None:
     model = _meta_timm("convnext_atto")()
     p = plan(model, CheckpointConfig(training_checkpoint_level=3, preset="auto"))
-    assert p["stages.0.blocks.0"].origin == "preset convnext #3"
-    # The stage: selective at 1 (rule #1) and 2 (#2, recompute_below); levels 4-5 are level
-    # 3's plan, so neither the stage nor all stages is a full region.
-    assert p["stages.0"].origin == "preset convnext #1; preset convnext #2"
-    rungs = [str(r) for r in p["stages.0"].rungs]
-    assert rungs == ["selective 1-2", "selective<100 2 only"]
+    # A block of stage 0: level 3 from rule #2, then level 2 from #4 (the later rule wins).
+    assert p["stages.0.blocks.0"].origin == "preset convnext #4"
+    # A block of stage 2: selective at 2 (#7, inside its selective stage), whole at 3 (#2).
+    assert p["stages.2.blocks.0"].origin == "preset convnext #7; preset convnext #2"
+    # The stage: selective at 1 (rule #1), stepping aside from 2 where its blocks are whole;
+    # levels 4-5 are level 3's plan, so neither the stage nor all stages is a full region.
+    assert p["stages.0"].origin == "preset convnext #1"
+    assert [str(r) for r in p["stages.0"].rungs] == ["selective 1 only"]
+    assert [str(r) for r in p["stages.2"].rungs] == ["selective 1-2"]
     assert "stages" not in {e.name for e in p}
-    assert p["stages.1.downsample"].origin == "preset convnext #4"
+    assert p["stages.1.downsample"].origin == "preset convnext #6"
+    assert p["stages.2.downsample"].origin == "preset convnext #3"
 
 
 # --- the fallback --------------------------------------------------------------------------
@@ -541,21 +547,24 @@ rules:
     encoder = [(r, o) for r, o in rules if o.startswith("preset segnet encoder: ")]
     # every tv_resnet rule, in order, made to select under "encoder."
     assert [o for _, o in encoder] == [
-        f"preset segnet encoder: preset tv_resnet #{i}" for i in range(4)
+        f"preset segnet encoder: preset tv_resnet #{i}" for i in range(7)
     ]
     assert [(r.match, r.through) for r, _ in encoder][0] == ("encoder.conv1", "maxpool")
     assert [r.match for r, _ in encoder] == [
         "encoder.conv1",
         "encoder.layer*",
-        "encoder.layer*",
         "encoder.layer*.*",
+        "encoder.layer1.*",
+        "encoder.layer2.*",
+        "encoder.layer3.*",
+        "encoder.layer4.*",
     ]
     # "neck" does not exist: skipped; a regex rule stays anchored under its part
     head = ("re:head\\.(?:\\d)", "preset segnet head: preset mine #0")
     assert (rules[-3][0].match, rules[-3][1]) == head
     assert [o for _, o in rules[-2:]] == ["preset segnet #0", "preset segnet #1"]
     entries = {e.name: int(e.level) for e in plan(model, {"preset": "auto"}).entries}
-    assert entries["encoder.layer1.0"] == 3 and entries["encoder.layer4"] == 1
+    assert entries["encoder.layer1.0"] == 2 and entries["encoder.layer4"] == 1
     assert entries["head.0"] == 1 and entries["decoder.1"] == 3 and entries["decoder"] == 5
     assert "encoder" not in entries and "encoder.fc" not in entries
 
