@@ -237,6 +237,15 @@ def _resnet18() -> torch.nn.Module:
     return timm.create_model("resnet18", pretrained=False, num_classes=10).train()
 
 
+def test_candidates_are_the_blocks_whole_from_level_2_and_3() -> None:
+    """timm's resnet preset makes layer1-2's blocks whole from level 2 and the later ones from
+    level 3: all of them are the planner's blocks (with the stem run), not the stages."""
+    model = _resnet18()
+    result = plan_for_budget(model, torch.randn(2, 3, 64, 64), "1GiB", batch_size=4)
+    blocks = [f"layer{s}.{b}" for s in range(1, 5) for b in range(2)]
+    assert [c["name"] for c in result.candidates] == ["conv1", *blocks]
+
+
 def test_stage_strategy_runs_whole_stages_selective_exactly_and_fits() -> None:
     """A ResNet stage as one selective region also recomputes what its blocks pass each other
     (per-block regions keep it as their inputs): the planner offers it and its plan is exact."""

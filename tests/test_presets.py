@@ -358,6 +358,43 @@ def test_plan_reports_preset_origins() -> None:
     assert p["stages.2.downsample"].origin == "preset convnext #3"
 
 
+def _strategy_at(p: object, name: str, level: int) -> str:
+    rung = p[name].rung_at(level)  # type: ignore[index]
+    return "-" if rung is None else rung.strategy
+
+
+@pytest.mark.parametrize(
+    ("arch", "dense", "later", "stage"),
+    [
+        ("resnet50", "layer1.0", "layer3.0", "layer3"),
+        ("convnext_atto", "stages.1.blocks.0", "stages.2.blocks.0", "stages.2"),
+    ],
+)
+def test_pyramid_level_2_recomputes_the_high_resolution_blocks(
+    arch: str, dense: str, later: str, stage: str
+) -> None:
+    """Level 2 of ResNet and ConvNeXt: the blocks of the first two stages whole, each later
+    block selective inside its selective stage; level 3 makes every block whole."""
+    p = plan(_meta_timm(arch)(), CheckpointConfig(training_checkpoint_level=2, preset="auto"))
+    assert p[dense].checkpointed and _strategy_at(p, dense, 2) == "full"
+    assert p[later].checkpointed and _strategy_at(p, later, 2) == "selective"
+    assert p[stage].checkpointed and _strategy_at(p, stage, 2) == "selective"
+    assert _strategy_at(p, dense, 1) == "-" and _strategy_at(p, later, 1) == "-"
+    assert _strategy_at(p, later, 3) == "full" and _strategy_at(p, stage, 3) == "-"
+
+
+def test_swin_levels_3_to_5_are_level_2s_plan() -> None:
+    model = _meta_timm("swin_tiny_patch4_window7_224")()
+    levels = (2, 3, 5)
+    plans = [
+        plan(model, CheckpointConfig(training_checkpoint_level=lv, preset="auto")) for lv in levels
+    ]
+    for lv, p in zip(levels, plans, strict=True):
+        assert _strategy_at(p, "layers.1.blocks.1", lv) == "full"
+        assert _strategy_at(p, "layers.2.blocks.0", lv) == "selective"
+    assert plans[0].checkpointed == plans[1].checkpointed == plans[2].checkpointed
+
+
 # --- the fallback --------------------------------------------------------------------------
 
 
