@@ -142,15 +142,14 @@ def test_every_rule_selects_modules_in_its_family(preset: str) -> None:
         assert any(hits.values()), f"preset {preset} rules[{i}] ({rule}) selects nothing"
     for label, model in models:
         # Rules select modules that run a forward (never a ModuleList), and a level of whole
-        # blocks exists (DenseNet's dense layer, at 2, is its block; Swin's high-resolution
-        # blocks are whole at 2, the later ones selective: for both, 3-5 are level 2's plan).
+        # blocks exists (DenseNet's dense layer, at 2, is its block: its 3-5 are that plan).
         levels = set()
         for rule in cfg.rules:
             for name in _selected(rule, model):
                 module = model.get_submodule(name)
                 assert type(module).forward is not nn.Module.forward, (preset, label, name)
                 levels.add(int(rule.level))
-        least = 2 if preset in ("densenet", "swin") else 3
+        least = 2 if preset == "densenet" else 3
         assert max(levels) >= least, (preset, label, sorted(levels))
 
 
@@ -383,16 +382,22 @@ def test_pyramid_level_2_recomputes_the_high_resolution_blocks(
     assert _strategy_at(p, later, 3) == "full" and _strategy_at(p, stage, 3) == "-"
 
 
-def test_swin_levels_3_to_5_are_level_2s_plan() -> None:
+def test_swin_level_3_nests_attention_and_mlp_in_the_high_resolution_blocks() -> None:
+    """Swin: level 2 makes the first two stages' blocks whole and keeps the later ones
+    selective; level 3 makes every block whole and nests the attention and MLP of the first
+    two stages' blocks (a block holding two regions is a group); levels 4-5 are level 3's."""
     model = _meta_timm("swin_tiny_patch4_window7_224")()
-    levels = (2, 3, 5)
-    plans = [
-        plan(model, CheckpointConfig(training_checkpoint_level=lv, preset="auto")) for lv in levels
-    ]
-    for lv, p in zip(levels, plans, strict=True):
-        assert _strategy_at(p, "layers.1.blocks.1", lv) == "full"
-        assert _strategy_at(p, "layers.2.blocks.0", lv) == "selective"
-    assert plans[0].checkpointed == plans[1].checkpointed == plans[2].checkpointed
+    p2, p3, p5 = (
+        plan(model, CheckpointConfig(training_checkpoint_level=lv, preset="auto"))
+        for lv in (2, 3, 5)
+    )
+    assert _strategy_at(p2, "layers.1.blocks.1", 2) == "full"
+    assert _strategy_at(p2, "layers.2.blocks.0", 2) == "selective"
+    assert not p2["layers.0.blocks.0.attn"].checkpointed
+    assert _strategy_at(p3, "layers.2.blocks.0", 3) == "full"
+    assert p3["layers.0.blocks.0.attn"].checkpointed and p3["layers.1.blocks.1.mlp"].checkpointed
+    assert "layers.2.blocks.0.mlp" not in {e.name for e in p3}
+    assert p3.checkpointed == p5.checkpointed
 
 
 # --- the fallback --------------------------------------------------------------------------
