@@ -207,11 +207,7 @@ def bench_model(
                 else None,
                 plan_ratio=plan_ratio,
                 predicted_ratio=predicted_ratio,
-                time_error=(
-                    predicted_ratio / plan_ratio - 1
-                    if predicted_ratio is not None and plan_ratio is not None
-                    else None
-                ),
+                time_error=_ratio_error(predicted_ratio, plan_ratio),
                 uniform_level=uniform,
                 uniform_peak_mb=peaks[uniform] / MB if uniform is not None else None,
                 uniform_ratio=ratio[f"L{uniform}"] if uniform is not None else None,
@@ -227,6 +223,11 @@ def bench_model(
         )
     console.print(f"  {name}: level 0 step {base_time:.2f} s; ratios " + str(ratio))
     return rows
+
+
+def _ratio_error(predicted: float | None, measured: float | None) -> float | None:
+    """The predicted plan/level-0 time ratio over the measured one, minus 1."""
+    return None if predicted is None or measured is None else predicted / measured - 1
 
 
 def _pct(v: float | None) -> str:
@@ -281,9 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if args.render:
         rows = [PlanRow(**r) for r in json.loads(Path(args.render).read_text())]
-        for r in rows:
-            if r.predicted_ratio is not None and r.plan_ratio is not None:
-                r.time_error = r.predicted_ratio / r.plan_ratio - 1
+        for r in rows:  # runs stored before the error was a ratio's
+            r.time_error = _ratio_error(r.predicted_ratio, r.plan_ratio)
         out = Path(args.render).parent
     else:
         if args.threads:

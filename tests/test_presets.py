@@ -17,7 +17,7 @@ import torchvision.models as tvm
 from torch import nn
 
 from vision_ckpt import ConfigError, PresetMismatchWarning, presets
-from vision_ckpt.apply import plan
+from vision_ckpt.apply import CheckpointPlan, plan
 from vision_ckpt.config import CheckpointConfig, LevelRule, PresetFile
 from vision_ckpt.matching import ModuleMatcher
 from vision_ckpt.presets import (
@@ -357,8 +357,8 @@ def test_plan_reports_preset_origins() -> None:
     assert p["stages.2.downsample"].origin == "preset convnext #3"
 
 
-def _strategy_at(p: object, name: str, level: int) -> str:
-    rung = p[name].rung_at(level)  # type: ignore[index]
+def _strategy_at(p: CheckpointPlan, name: str, level: int) -> str:
+    rung = p[name].rung_at(level)
     return "-" if rung is None else rung.strategy
 
 
