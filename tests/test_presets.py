@@ -272,11 +272,14 @@ def test_register_preset_rejects_nested_presets(scratch_registry) -> None:
 
 
 def test_preset_rules_labels_and_drops_rules_that_select_nothing(scratch_registry) -> None:
-    model = _meta_timm("resnet18")()
+    model = _meta_timm("resnet50")()
     resnet = load_preset("resnet")
     assert [o for _, o in preset_rules(model, "auto")] == [
         f"preset resnet #{i}" for i in range(len(resnet.rules))
     ]
+    # the last rule names bottleneck blocks, which a basic-block ResNet does not have
+    basic = [o for _, o in preset_rules(_meta_timm("resnet18")(), "auto")]
+    assert basic == [f"preset resnet #{i}" for i in range(len(resnet.rules) - 1)]
     # a rule for a deep stem this model does not have selects nothing and is left out
     extra = CheckpointConfig(rules=[{"match": "conv1.0", "level": 1}, *resnet.rules])
     register_preset("resnet_deep", extra)
@@ -365,7 +368,7 @@ def _strategy_at(p: CheckpointPlan, name: str, level: int) -> str:
 @pytest.mark.parametrize(
     ("arch", "dense", "later", "stage"),
     [
-        ("resnet50", "layer1.0", "layer3.0", "layer3"),
+        ("resnet50", "layer1.0", "layer4.0", "layer4"),
         ("convnext_atto", "stages.1.blocks.0", "stages.2.blocks.0", "stages.2"),
     ],
 )
@@ -382,10 +385,30 @@ def test_pyramid_level_2_recomputes_the_high_resolution_blocks(
     assert _strategy_at(p, later, 3) == "full" and _strategy_at(p, stage, 3) == "-"
 
 
-def test_swin_level_3_nests_attention_and_mlp_in_the_high_resolution_blocks() -> None:
+def test_bottleneck_resnet_level_2_also_recomputes_two_layer3_blocks() -> None:
+    """In a bottleneck ResNet the first two layer3 blocks are whole from level 2 too, so
+    layer3 steps aside and its other blocks are selective on their own; a basic-block ResNet
+    keeps layer3 selective with each block selective inside it."""
+    p = plan(_meta_timm("resnet50")(), CheckpointConfig(training_checkpoint_level=2, preset="auto"))
+    assert [_strategy_at(p, f"layer3.{i}", 2) for i in range(4)] == [
+        "full",
+        "full",
+        "selective",
+        "selective",
+    ]
+    assert _strategy_at(p, "layer3", 2) == "-"
+    p18 = plan(
+        _meta_timm("resnet18")(), CheckpointConfig(training_checkpoint_level=2, preset="auto")
+    )
+    assert _strategy_at(p18, "layer3", 2) == "selective"
+    assert _strategy_at(p18, "layer3.0", 2) == "selective"
+
+
+def test_swin_level_3_nests_attention_and_mlp_in_the_first_stage_blocks() -> None:
     """Swin: level 2 makes the first two stages' blocks whole and keeps the later ones
-    selective; level 3 makes every block whole and nests the attention and MLP of the first
-    two stages' blocks (a block holding two regions is a group); levels 4-5 are level 3's."""
+    selective; level 3 nests the attention and MLP of the first stage's blocks (a block
+    holding two regions is a group) and makes the third stage's blocks whole but its first
+    three, which stay selective; levels 4-5 are level 3's."""
     model = _meta_timm("swin_tiny_patch4_window7_224")()
     p2, p3, p5 = (
         plan(model, CheckpointConfig(training_checkpoint_level=lv, preset="auto"))
@@ -394,8 +417,12 @@ def test_swin_level_3_nests_attention_and_mlp_in_the_high_resolution_blocks() ->
     assert _strategy_at(p2, "layers.1.blocks.1", 2) == "full"
     assert _strategy_at(p2, "layers.2.blocks.0", 2) == "selective"
     assert not p2["layers.0.blocks.0.attn"].checkpointed
-    assert _strategy_at(p3, "layers.2.blocks.0", 3) == "full"
-    assert p3["layers.0.blocks.0.attn"].checkpointed and p3["layers.1.blocks.1.mlp"].checkpointed
+    assert p3["layers.0.blocks.0.attn"].checkpointed and p3["layers.0.blocks.1.mlp"].checkpointed
+    assert _strategy_at(p3, "layers.1.blocks.1", 3) == "full"
+    assert "layers.1.blocks.1.mlp" not in {e.name for e in p3}
+    third = [_strategy_at(p3, f"layers.2.blocks.{i}", 3) for i in range(6)]
+    assert third == ["selective"] * 3 + ["full"] * 3
+    assert _strategy_at(p3, "layers.3.blocks.0", 3) == "selective"
     assert "layers.2.blocks.0.mlp" not in {e.name for e in p3}
     assert p3.checkpointed == p5.checkpointed
 
