@@ -82,7 +82,10 @@ FAMILY_MODELS: dict[str, list[tuple[str, Callable[[], nn.Module]]]] = {
         ("regnety_002", _meta_timm("regnety_002")),
     ],
     "densenet": [("densenet121", _meta_timm("densenet121"))],
-    "efficientnet": [("efficientnet_b0", _meta_timm("efficientnet_b0"))],
+    "efficientnet": [
+        ("efficientnet_b0", _meta_timm("efficientnet_b0")),
+        ("efficientnetv2_rw_t", _meta_timm("efficientnetv2_rw_t")),
+    ],
     "mobilenetv3": [("mobilenetv3_large_100", _meta_timm("mobilenetv3_large_100"))],
     "maxxvit": [
         ("maxvit_tiny_tf_224", _meta_timm("maxvit_tiny_tf_224")),
@@ -277,9 +280,10 @@ def test_preset_rules_labels_and_drops_rules_that_select_nothing(scratch_registr
     assert [o for _, o in preset_rules(model, "auto")] == [
         f"preset resnet #{i}" for i in range(len(resnet.rules))
     ]
-    # the last rule names bottleneck blocks, which a basic-block ResNet does not have
+    # the bottleneck rule names blocks a basic-block ResNet does not have
+    bottleneck = next(i for i, r in enumerate(resnet.rules) if r.match_type == "Bottleneck")
     basic = [o for _, o in preset_rules(_meta_timm("resnet18")(), "auto")]
-    assert basic == [f"preset resnet #{i}" for i in range(len(resnet.rules) - 1)]
+    assert basic == [f"preset resnet #{i}" for i in range(len(resnet.rules)) if i != bottleneck]
     # a rule for a deep stem this model does not have selects nothing and is left out
     extra = CheckpointConfig(rules=[{"match": "conv1.0", "level": 1}, *resnet.rules])
     register_preset("resnet_deep", extra)
@@ -616,7 +620,7 @@ rules:
     encoder = [(r, o) for r, o in rules if o.startswith("preset segnet encoder: ")]
     # every tv_resnet rule, in order, made to select under "encoder."
     assert [o for _, o in encoder] == [
-        f"preset segnet encoder: preset tv_resnet #{i}" for i in range(7)
+        f"preset segnet encoder: preset tv_resnet #{i}" for i in (*range(7), 8)
     ]
     assert [(r.match, r.through) for r, _ in encoder][0] == ("encoder.conv1", "maxpool")
     assert [r.match for r, _ in encoder] == [
@@ -627,6 +631,7 @@ rules:
         "encoder.layer2.*",
         "encoder.layer3.*",
         "encoder.layer4.*",
+        "encoder.layer1",
     ]
     # "neck" does not exist: skipped; a regex rule stays anchored under its part
     head = ("re:head\\.(?:\\d)", "preset segnet head: preset mine #0")

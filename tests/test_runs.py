@@ -262,7 +262,7 @@ def test_timm_stems_are_one_region_at_level_1(arch: str, assert_exact) -> None:
     plain = timm.create_model(arch, pretrained=False, **kwargs)
     model = copy.deepcopy(plain)
     the_plan = vision_ckpt.apply_preset(model, 1)
-    stem = [e for e in the_plan if any(r.through for r in e.rungs)]
+    stem = [e for e in the_plan if e.checkpointed and e.through is not None]
     assert len(stem) == 1 and stem[0].checkpointed
     x = torch.randn(2, 3, 64, 64)
     with warnings.catch_warnings():
@@ -305,3 +305,28 @@ def test_a_feature_wrapper_keeps_the_part_of_the_stem_it_has(arch, indices, head
     model = timm.create_model(arch, pretrained=False, features_only=True, out_indices=indices)
     the_plan = vision_ckpt.plan(model, {"preset": "auto", "training_checkpoint_level": 1})
     assert [str(r) for r in the_plan[head].rungs] == [rung]
+
+
+def test_a_presets_run_applies_to_the_blocks_that_have_it() -> None:
+    """timm's EfficientNet class holds inverted residuals (conv_pw, bn1, conv_dw, bn2, ...) and
+    depthwise-separable blocks (conv_dw, bn1, se, conv_pw, bn2): the preset's level-4 runs
+    'conv_pw through bn1' and 'conv_dw through bn1' each take the blocks where bn1 comes later,
+    while the same rule given by a user is strict."""
+
+    def runs(arch: str) -> dict[str, str]:
+        with torch.device("meta"):
+            model = timm.create_model(arch, pretrained=False)
+        p = vision_ckpt.plan(model, {"training_checkpoint_level": 4, "preset": "auto"})
+        return {e.name: e.through for e in p if e.through is not None and e.checkpointed}
+
+    b0 = runs("efficientnet_b0")
+    assert b0["blocks.0.0.conv_dw"] == "bn1"  # depthwise-separable
+    assert b0["blocks.1.0.conv_pw"] == "bn1" and "blocks.1.0.conv_dw" not in b0
+    v1 = runs("mobilenetv1_100")  # depthwise-separable blocks in every stage
+    assert "blocks.3.0.conv_dw" in v1 and not any(n.endswith("conv_pw") for n in v1)
+    with torch.device("meta"):
+        model = timm.create_model("mobilenetv1_100", pretrained=False)
+    with pytest.raises(ConfigError, match=r"runs 'blocks.0.0.conv_pw' through 'bn1', which is not"):
+        vision_ckpt.plan(
+            model, {"rules": [{"match": "blocks.*.*.conv_pw", "level": 4, "through": "bn1"}]}
+        )

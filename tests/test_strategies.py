@@ -128,8 +128,8 @@ def test_a_selective_rung_steps_aside_where_a_full_region_inside_it_starts():
     assert at1["layer1"].checkpointed and at1["layer1"].rung_at(1).strategy == "selective"
     assert not at1["layer1.0"].checkpointed
     at3 = at1.at_level(3)
-    assert not at3["layer1"].checkpointed and at3["layer1"].rung_at(3) is None
-    assert at3["layer1.0"].checkpointed and at3["layer1.0"].rung_at(3).strategy == "full"
+    assert not at3["layer2"].checkpointed and at3["layer2"].rung_at(3) is None
+    assert at3["layer2.0"].checkpointed and at3["layer2.0"].rung_at(3).strategy == "full"
     assert "selective 1-2" in str(at3)
 
 

@@ -126,8 +126,8 @@ class BudgetPlan:
 
 def _candidate_blocks(plan: Any) -> list[Any]:
     """Non-overlapping blocks to choose from: the plan's entries at the finest level that covers
-    repeated blocks (level 3 with the whole blocks of level 2 if present, else 2, else 4), and
-    the outermost entries outside them, in forward order."""
+    repeated blocks (level 3 with the whole blocks of level 2 if present, but not a stack of
+    them, else 2, else 4), and the outermost entries outside them, in forward order."""
     by_level: dict[int, list[Any]] = {}
     for entry in plan.entries:
         for rung in entry.rungs or ():
@@ -140,6 +140,10 @@ def _candidate_blocks(plan: Any) -> list[Any]:
             by_level.setdefault(int(entry.level), []).append(entry)
     for level in (3, 2, 4, 1, 5):
         entries = by_level.get(level, [])
+        if level in (2, 3):
+            # a stage a preset recomputes from level 3 (ResNet's layer1) is not a block: it
+            # holds several of them
+            entries = [e for e in entries if not _holds_repeats(e, entries)]
         names = [e.name for e in entries]
         independent = [
             e for e in entries if not any(o != e.name and e.name.startswith(o + ".") for o in names)
@@ -158,6 +162,12 @@ def _candidate_blocks(plan: Any) -> list[Any]:
             }
             return [e for e in plan.entries if e.name in keep]
     return []
+
+
+def _holds_repeats(entry: Any, entries: list[Any]) -> bool:
+    """Whether two or more of ``entries`` inside ``entry`` are of one class (a stack of blocks)."""
+    inside = [e.class_name for e in entries if e.name.startswith(entry.name + ".")]
+    return any(inside.count(c) >= 2 for c in set(inside))
 
 
 def _stage_groups(plan: Any, names: Sequence[str]) -> list[tuple[str, int, int]]:

@@ -29,7 +29,7 @@ from ._install import install, install_chain, uninstall
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
 from .levels import Level, is_group, parse_level
-from .matching import ModuleMatcher, qualified_class_name
+from .matching import ModuleMatcher, qualified_class_name, starts_run
 from .wrapper import HEAVY_OPS, Policy, Rung, SaveOps, get_training_level, rung_within
 
 __all__ = [
@@ -356,6 +356,9 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
         if rule.segments is not None:
             _check_segments(model, rule, origin, callable_hits)
         if rule.through is not None:
+            if not required:  # see NOTE [ A preset's runs ]
+                names = [n for n, _ in modules]
+                callable_hits = [n for n in callable_hits if starts_run(names, n, rule.through)]
             for name in callable_hits:
                 run_members(model, name, rule.through, f"{origin} ({rule})")
         for name in callable_hits:
@@ -480,6 +483,14 @@ def _check_segments(model: nn.Module, rule: LevelRule, origin: str, names: list[
                 "called one after the other) into groups, and this module has its own forward. "
                 "Select the nn.Sequential that holds the layers, or drop segments."
             )
+
+
+# NOTE [ A preset's runs ]
+# A preset's rule with 'through' selects only the modules that have that later sibling: one
+# family can hold blocks whose children come in different orders (timm's EfficientNet class
+# builds an inverted residual, conv_pw before bn1, and a depthwise-separable block, bn1 before
+# conv_pw, and MobileNet-V1 uses the second in every stage), and the rule is written for one
+# of them. A user's rule stays strict: a run that does not exist is an error (run_members).
 
 
 def run_members(model: nn.Module, name: str, through: str, origin: str) -> list[str]:

@@ -29,7 +29,13 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["compile_name_pattern", "compile_type_pattern", "ModuleMatcher", "qualified_class_name"]
+__all__ = [
+    "compile_name_pattern",
+    "compile_type_pattern",
+    "ModuleMatcher",
+    "qualified_class_name",
+    "starts_run",
+]
 
 _COMPONENT_CHARS = re.compile(r"[A-Za-z0-9_\-*?]+")
 
@@ -181,3 +187,20 @@ class ModuleMatcher:
         if self.match_type is not None:
             fields.append(f"match_type={self.match_type!r}")
         return f"ModuleMatcher({', '.join(fields)})"
+
+
+def starts_run(module_names: list[str], name: str, through: str) -> bool:
+    """Whether the module ``name`` has a later sibling called ``through``, in the order of
+    ``module_names`` (the names of ``named_modules()``, children in their parent's order): the
+    run a rule's ``through`` asks for exists.
+
+    >>> names = ["", "blocks", "blocks.0", "blocks.0.conv_pw", "blocks.0.bn1", "blocks.1",
+    ...          "blocks.1.bn1", "blocks.1.conv_pw"]
+    >>> starts_run(names, "blocks.0.conv_pw", "bn1"), starts_run(names, "blocks.1.conv_pw", "bn1")
+    (True, False)
+    """
+    if not name:
+        return False
+    parent, _, own = name.rpartition(".")
+    siblings = [n.rpartition(".")[2] for n in module_names if n and n.rpartition(".")[0] == parent]
+    return own in siblings and through in siblings[siblings.index(own) + 1 :]

@@ -76,6 +76,7 @@ from .matching import (
     compile_type_pattern,
     exact_name_pattern,
     qualified_class_name,
+    starts_run,
 )
 
 __all__ = [
@@ -410,8 +411,12 @@ def _named_modules(model: Any) -> list[tuple[str, Any]]:
 def _selecting(rule: LevelRule, modules: list[tuple[str, Any]]) -> Iterator[str]:
     """The names of the modules ``rule`` selects, lazily."""
     matcher = ModuleMatcher(rule.match, rule.match_type)
+    names = [name for name, _ in modules] if rule.through is not None else []
     for name, module in modules:
-        if matcher.matches(name, type(module).__name__, qualified_class_name(module)):
+        if matcher.matches(name, type(module).__name__, qualified_class_name(module)) and (
+            # A run that this model lacks: see NOTE [ A preset's runs ] in apply.py.
+            rule.through is None or starts_run(names, name, rule.through)
+        ):
             yield name
 
 
