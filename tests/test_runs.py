@@ -330,3 +330,14 @@ def test_a_presets_run_applies_to_the_blocks_that_have_it() -> None:
         vision_ckpt.plan(
             model, {"rules": [{"match": "blocks.*.*.conv_pw", "level": 4, "through": "bn1"}]}
         )
+
+
+def test_a_presets_run_keeps_its_glob_in_a_feature_wrapper() -> None:
+    """In timm's features_only wrapper the EfficientNet runs still select by the preset's glob
+    (the blocks without the run are left out there too), not by a list of names."""
+    with torch.device("meta"):
+        model = timm.create_model("efficientnet_b0", pretrained=False, features_only=True)
+    runs = {r.match: r for r, _ in vision_ckpt.presets.preset_rules(model, "auto") if r.through}
+    assert {"blocks.*.*.conv_pw", "blocks.*.*.conv_dw"} <= set(runs)
+    p = vision_ckpt.plan(model, {"training_checkpoint_level": 4, "preset": "auto"})
+    assert p["blocks.1.0.conv_pw"].checkpointed and "blocks.0.0.conv_pw" not in {e.name for e in p}

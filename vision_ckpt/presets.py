@@ -510,6 +510,7 @@ def _wrapper_rules(
         head, dot, rest = name.partition(".")
         return lifted[head] + dot + rest if head in lifted else name
 
+    original_names = [n for n, _ in original.named_modules()]
     out = []
     for i, rule in enumerate(rules):
         matcher = ModuleMatcher(rule.match, rule.match_type)
@@ -520,6 +521,11 @@ def _wrapper_rules(
                 original_name(name),
                 type(original if not name else module).__name__,
                 qualified_class_name(original if not name else module),
+            )
+            # a run the original model lacks (NOTE [ A preset's runs ] in apply.py)
+            and (
+                rule.through is None
+                or starts_run(original_names, original_name(name), rule.through)
             )
         ]
         if not wanted:
