@@ -244,7 +244,7 @@ def test_a_member_with_a_level_of_its_own_is_refused() -> None:
     with pytest.raises(
         ConfigError,
         match=r"'pool' is inside the run 'conv' through 'pool' of rules\[0\] .* and also has a "
-        r"level of its own from rules\[1\]",
+        r"level of its own from rules\[1\] .*, not below the run's 1",
     ):
         vision_ckpt.plan(StemNet(), {"rules": rules})
     # a level-0 rule only says "not on its own": allowed
@@ -309,14 +309,14 @@ def test_a_feature_wrapper_keeps_the_part_of_the_stem_it_has(arch, indices, head
 
 def test_a_presets_run_applies_to_the_blocks_that_have_it() -> None:
     """timm's EfficientNet class holds inverted residuals (conv_pw, bn1, conv_dw, bn2, ...) and
-    depthwise-separable blocks (conv_dw, bn1, se, conv_pw, bn2): the preset's level-4 runs
+    depthwise-separable blocks (conv_dw, bn1, se, conv_pw, bn2): the preset's level-5 runs
     'conv_pw through bn1' and 'conv_dw through bn1' each take the blocks where bn1 comes later,
     while the same rule given by a user is strict."""
 
     def runs(arch: str) -> dict[str, str]:
         with torch.device("meta"):
             model = timm.create_model(arch, pretrained=False)
-        p = vision_ckpt.plan(model, {"training_checkpoint_level": 4, "preset": "auto"})
+        p = vision_ckpt.plan(model, {"training_checkpoint_level": 5, "preset": "auto"})
         return {e.name: e.through for e in p if e.through is not None and e.checkpointed}
 
     b0 = runs("efficientnet_b0")
@@ -339,5 +339,36 @@ def test_a_presets_run_keeps_its_glob_in_a_feature_wrapper() -> None:
         model = timm.create_model("efficientnet_b0", pretrained=False, features_only=True)
     runs = {r.match: r for r, _ in vision_ckpt.presets.preset_rules(model, "auto") if r.through}
     assert {"blocks.*.*.conv_pw", "blocks.*.*.conv_dw"} <= set(runs)
-    p = vision_ckpt.plan(model, {"training_checkpoint_level": 4, "preset": "auto"})
+    p = vision_ckpt.plan(model, {"training_checkpoint_level": 5, "preset": "auto"})
     assert p["blocks.1.0.conv_pw"].checkpointed and "blocks.0.0.conv_pw" not in {e.name for e in p}
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_run_takes_over_a_members_finer_region_from_its_level(
+    level: int, assert_exact, core_calls, op_counter
+) -> None:
+    """A member may have a level of its own below the run's: BN alone at level 1, the stem run
+    from level 2, where BN's own region steps aside (NOTE [ Runs take over ])."""
+    rules = [{"match": "bn", "level": 1}, {**STEM, "level": 2}]
+    torch.manual_seed(0)
+    plain = StemNet()
+    model = copy.deepcopy(plain)
+    p = vision_ckpt.apply(model, {"training_checkpoint_level": level, "rules": rules})
+    assert p["bn"].checkpointed == (level == 1) and p["conv"].checkpointed == (level == 2)
+    assert str(p["bn"].rung_at(1)) == "full 1 only"
+    x = torch.randn(4, 3, 16, 16, requires_grad=True)
+    ref = _step(plain, x.detach().clone().requires_grad_())
+    core_calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the run is whole at level 2: no member breaks it
+        got = _step(model, x)
+    assert_exact(got, ref)
+    # level 1: BN's own region; level 2: the run's, which opens no region of BN's
+    assert (core_calls.labels == ["bn"]) if level == 1 else ("bn" not in core_calls.labels)
+    if level == 2:
+        out = model(x).sum()
+        with op_counter() as ops:
+            out.backward()
+        assert ops.counts["convolution"] == 1 and ops.counts["max_pool2d_with_indices"] == 1
+    vision_ckpt.remove(model)
+    assert type(model.bn).forward is nn.BatchNorm2d.forward and "forward" not in vars(model.bn)

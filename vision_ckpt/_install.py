@@ -179,11 +179,25 @@ class ChainedForward(CheckpointedForward):
     """
 
     def __init__(
-        self, module: nn.Module, name: str, policy: Policy, chain: Chain, index: int
+        self,
+        module: nn.Module,
+        name: str,
+        policy: Policy,
+        chain: Chain,
+        index: int,
+        own: Policy | None = None,
     ) -> None:
         super().__init__(module, name, policy)
         self.chain = chain
         self.index = index
+        self.own = own  # a later member's rungs below the run's level (NOTE [ Runs take over ])
+
+    def _alone(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A later member called outside the run: plainly, or as its own rungs say."""
+        run, own = self.run, self.own
+        if own is None or not own.rungs or not run.module.training or not torch.is_grad_enabled():
+            return run(*args, **kwargs)
+        return run_policy(own, run, args, kwargs, module=run.module, label=run.name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         run, chain = self.run, self.chain
@@ -200,7 +214,7 @@ class ChainedForward(CheckpointedForward):
             return out
         pending = chain.pending()
         if pending is None:
-            return run(*args, **kwargs)
+            return self._alone(args, kwargs)
         call, index, ref, version = pending
         if call is None or ref is None:  # the output it waited for was freed
             if index == self.index:
@@ -219,7 +233,7 @@ class ChainedForward(CheckpointedForward):
             out = call.run(run, one)
             chain.expect(call, index + 1, out)
             return out
-        return run(*args, **kwargs)
+        return self._alone(args, kwargs)
 
     def __repr__(self) -> str:
         return f"<member {self.index} of the checkpointed run {self.chain.label!r}>"
@@ -231,12 +245,15 @@ def install(items: Iterable[tuple[nn.Module, str, Policy]]) -> None:
         module.__dict__["forward"] = CheckpointedForward(module, name, policy)
 
 
-def install_chain(members: list[tuple[nn.Module, str]], policy: Policy, label: str) -> None:
+def install_chain(
+    members: list[tuple[nn.Module, str, Policy | None]], policy: Policy, label: str
+) -> None:
     """Give a run of sibling modules, in call order, forwards that checkpoint them as one
-    region as the first one's ``policy`` decides (NOTE [ Runs of sibling calls ])."""
+    region as the first one's ``policy`` decides (NOTE [ Runs of sibling calls ]); a later
+    member's own policy applies where it is called outside the run."""
     chain = Chain(label)
-    for index, (module, name) in enumerate(members):
-        forward = ChainedForward(module, name, policy, chain, index)
+    for index, (module, name, own) in enumerate(members):
+        forward = ChainedForward(module, name, policy, chain, index, own)
         chain.members.append(forward.run)
         module.__dict__["forward"] = forward
 

@@ -61,7 +61,8 @@ class PlannedRung:
     """For ``selective``: convolutions/matmuls cheaper than this (FLOPs per output) are redone."""
     until: Level | None = None
     """For ``selective``: the training level from which a full region inside the module is
-    checkpointed, where this rung stops applying (NOTE [ Selective regions step aside ])."""
+    checkpointed, where this rung stops applying (NOTE [ Selective regions step aside ]); for
+    a later member of a run, the run's level (NOTE [ Runs take over ])."""
     through: str | None = None
     """The last sibling of a run checkpointed with the module as one region (``through``)."""
 
@@ -376,8 +377,11 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
     pinned = cfg.training_checkpoint_level
     level = pinned if pinned is not None else get_training_level()
     entries = _holds_several(
-        _step_aside(
-            tuple(_entry(n, class_names[n][0], decided[n]) for n, _ in modules if n in decided)
+        _runs_take_over(
+            model,
+            _step_aside(
+                tuple(_entry(n, class_names[n][0], decided[n]) for n, _ in modules if n in decided)
+            ),
         )
     )
     return CheckpointPlan(
@@ -434,6 +438,35 @@ def _step_aside(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
                     for r in e.rungs
                 )
                 e = replace(e, rungs=rungs)
+        out.append(e)
+    return tuple(out)
+
+
+# NOTE [ Runs take over ]
+# A later member of a run (bn1 of conv_pw..bn1) may have rungs of its own below the run's level:
+# a ladder where the finer region comes first. Its rungs stop applying (``until``) at the run's
+# level, from which its forward belongs to the run; below it the run is not open and the member
+# is checkpointed alone (``_install.ChainedForward`` carries the member's own policy for that).
+# At no level are both active, so a call is never recomputed twice for one region.
+
+
+def _runs_take_over(model: nn.Module, entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
+    """End every run member's own rungs at the level of the run it belongs to (NOTE [ Runs
+    take over ])."""
+    ends: dict[str, Level] = {}
+    for e in entries:
+        run = next((r for r in e.rungs if r.through is not None), None)
+        if run is not None:
+            for member in run_members(model, e.name, run.through, f"the run {e.name!r}")[1:]:
+                ends[member] = min(ends.get(member, run.level), run.level)
+    out = []
+    for e in entries:
+        end = ends.get(e.name)
+        if end is not None and e.rungs:
+            rungs = tuple(
+                replace(r, until=end if r.until is None else min(r.until, end)) for r in e.rungs
+            )
+            e = replace(e, rungs=rungs)
         out.append(e)
     return tuple(out)
 
@@ -540,14 +573,20 @@ def _check_runs(
             )
         for through, (rule, origin) in runs.items():
             for member in run_members(model, name, through, f"{origin} ({rule})")[1:]:
-                own = [(r, o) for k, (r, o) in decided.get(member, {}).items() if r.level > 0]
+                own = [
+                    (r, o)
+                    for k, (r, o) in decided.get(member, {}).items()
+                    if r.level
+                    >= rule.level  # below it, the run takes over: NOTE [ Runs take over ]
+                ]
                 if own:
                     r, o = own[0]
                     raise ConfigError(
                         f"{member!r} is inside the run {name!r} through {through!r} of {origin} "
-                        f"({rule}) and also has a level of its own from {o} ({r}); a module "
-                        "of a run is checkpointed with the run. Drop one of the two rules, or "
-                        "end the run before it."
+                        f"({rule}) and also has a level of its own from {o} ({r}), not below "
+                        f"the run's {int(rule.level)}; from the run's level on, a module of a "
+                        "run is checkpointed with the run. Drop one of the two rules, give the "
+                        "module a lower level than the run, or end the run before it."
                     )
 
 
@@ -644,19 +683,25 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
     _refuse_a_second_checkpointer(model)
     remove(model)
     shared: dict[tuple[Any, ...], SaveOps] = {}  # one per option set: it tracks ops met
+    runs = {
+        entry.name: run_members(model, entry.name, entry.through, f"the plan's {entry.name!r}")
+        for entry, _ in installs
+        if entry.through is not None
+    }
+    in_runs = {n for names in runs.values() for n in names}
     install(
         (module, entry.name, _policy(the_plan, entry, shared))
         for entry, module in installs
-        if entry.rungs and entry.through is None  # never checkpointed: leave it untouched
+        if entry.rungs and entry.name not in in_runs  # never checkpointed: leave it untouched
     )
+    own = {e.name: _policy(the_plan, e, shared) for e, _ in installs if e.name in in_runs}
     for entry, _ in installs:
-        through = entry.through
-        if through is not None:
-            names = run_members(model, entry.name, through, f"the plan's {entry.name!r}")
+        if entry.name in runs:
+            names = runs[entry.name]
             install_chain(
-                [(model.get_submodule(n), n) for n in names],
+                [(model.get_submodule(n), n, own.get(n)) for n in names],
                 _policy(the_plan, entry, shared),
-                f"{entry.name}..{through}",
+                f"{entry.name}..{entry.through}",
             )
     return the_plan
 
