@@ -246,6 +246,19 @@ def test_candidates_are_the_blocks_whole_from_level_2_and_3() -> None:
     assert [c["name"] for c in result.candidates] == ["conv1", *blocks]
 
 
+def test_candidates_are_a_maxvit_block_not_its_parts() -> None:
+    """A MaxViT block holds two attention parts of one class: it is still one block, unlike a
+    stage that holds numbered blocks (ResNet's layer1 from level 3)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_maxvit", pretrained=False, img_size=32, num_classes=4)
+    result = plan_for_budget(model.train(), torch.randn(2, 3, 32, 32), "1GiB", batch_size=2)
+    names = [c["name"] for c in result.candidates]
+    assert "stages.0.blocks.0" in names
+    assert not any(n.endswith(("attn_block", "attn_grid", ".conv")) for n in names), names
+
+
 def test_stage_strategy_runs_whole_stages_selective_exactly_and_fits() -> None:
     """A ResNet stage as one selective region also recomputes what its blocks pass each other
     (per-block regions keep it as their inputs): the planner offers it and its plan is exact."""

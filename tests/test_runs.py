@@ -243,10 +243,14 @@ def test_a_member_with_a_level_of_its_own_is_refused() -> None:
     rules = [STEM, {"match": "pool", "level": 2}]
     with pytest.raises(
         ConfigError,
-        match=r"'pool' is inside the run 'conv' through 'pool' of rules\[0\] .* and also has a "
-        r"level of its own from rules\[1\] .*, not below the run's 1",
+        match=r"'pool' is inside the run 'conv' through 'pool' of rules\[0\] .* and has a level "
+        r"of its own, not below the run's 1, from rules\[1\]",
     ):
         vision_ckpt.plan(StemNet(), {"rules": rules})
+    # below the run's level a member may be a region alone, but not start another run
+    overlapping = [{**STEM, "level": 2}, {"match": "bn", "level": 1, "through": "act"}]
+    with pytest.raises(ConfigError, match=r"'bn' is inside the run 'conv' .* starts a run of its"):
+        vision_ckpt.plan(StemNet(), {"rules": overlapping})
     # a level-0 rule only says "not on its own": allowed
     vision_ckpt.plan(StemNet(), {"rules": [STEM, {"match": "pool", "level": 0}]})
     with pytest.raises(ConfigError, match=r"'conv' starts runs through 'pool', 'act'"):
@@ -322,6 +326,13 @@ def test_a_presets_run_applies_to_the_blocks_that_have_it() -> None:
     b0 = runs("efficientnet_b0")
     assert b0["blocks.0.0.conv_dw"] == "bn1"  # depthwise-separable
     assert b0["blocks.1.0.conv_pw"] == "bn1" and "blocks.1.0.conv_dw" not in b0
+    with torch.device("meta"):
+        b0_model = timm.create_model("efficientnet_b0", pretrained=False)
+    at4 = vision_ckpt.plan(b0_model, {"training_checkpoint_level": 4, "preset": "auto"})
+    # level 4 nests bn1 alone; from level 5 the run takes its place (NOTE [ Runs take over ])
+    assert at4["blocks.1.0.bn1"].checkpointed and not at4["blocks.1.0.conv_pw"].checkpointed
+    at5 = at4.at_level(5)
+    assert at5["blocks.1.0.conv_pw"].checkpointed and not at5["blocks.1.0.bn1"].checkpointed
     v1 = runs("mobilenetv1_100")  # depthwise-separable blocks in every stage
     assert "blocks.3.0.conv_dw" in v1 and not any(n.endswith("conv_pw") for n in v1)
     with torch.device("meta"):

@@ -236,7 +236,11 @@ class ChainedForward(CheckpointedForward):
         return self._alone(args, kwargs)
 
     def __repr__(self) -> str:
-        return f"<member {self.index} of the checkpointed run {self.chain.label!r}>"
+        alone = ""
+        if self.own is not None and self.own.rungs:
+            rungs = ", ".join(f"{r.strategy}@{int(r.level)}" for r in self.own.rungs)
+            alone = f"; alone below the run: {rungs}"
+        return f"<member {self.index} of the checkpointed run {self.chain.label!r}{alone}>"
 
 
 def install(items: Iterable[tuple[nn.Module, str, Policy]]) -> None:
@@ -253,7 +257,7 @@ def install_chain(
     member's own policy applies where it is called outside the run."""
     chain = Chain(label)
     for index, (module, name, own) in enumerate(members):
-        forward = ChainedForward(module, name, policy, chain, index, own)
+        forward = ChainedForward(module, name, policy, chain, index, own if index else None)
         chain.members.append(forward.run)
         module.__dict__["forward"] = forward
 

@@ -140,6 +140,7 @@ def _candidate_blocks(plan: Any) -> list[Any]:
             by_level.setdefault(int(entry.level), []).append(entry)
     for level in (3, 2, 4, 1, 5):
         entries = by_level.get(level, [])
+        entries = list({e.name: e for e in entries}.values())  # once each
         if level in (2, 3):
             # a stage a preset recomputes from level 3 (ResNet's layer1) is not a block: it
             # holds several of them
@@ -165,8 +166,14 @@ def _candidate_blocks(plan: Any) -> list[Any]:
 
 
 def _holds_repeats(entry: Any, entries: list[Any]) -> bool:
-    """Whether two or more of ``entries`` inside ``entry`` are of one class (a stack of blocks)."""
-    inside = [e.class_name for e in entries if e.name.startswith(entry.name + ".")]
+    """Whether two or more of ``entries`` inside ``entry`` are numbered blocks of one class
+    (``layer1.0``, ``layer1.1``: a stack), not a block's named parts (``attn_block``,
+    ``attn_grid`` of a MaxViT block)."""
+    inside = [
+        e.class_name
+        for e in entries
+        if e.name.startswith(entry.name + ".") and e.name.rsplit(".", 1)[-1].isdigit()
+    ]
     return any(inside.count(c) >= 2 for c in set(inside))
 
 

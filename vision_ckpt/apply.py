@@ -447,7 +447,10 @@ def _step_aside(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
 # a ladder where the finer region comes first. Its rungs stop applying (``until``) at the run's
 # level, from which its forward belongs to the run; below it the run is not open and the member
 # is checkpointed alone (``_install.ChainedForward`` carries the member's own policy for that).
-# At no level are both active, so a call is never recomputed twice for one region.
+# At no level are both active, so a call is never recomputed twice for one region. A member
+# may not start a run of its own or be split into segments (``_check_runs``). Where the run's
+# first module is, at some level, checkpointed by another rung of its own instead of the run,
+# the run is not open there and the later members run plainly.
 
 
 def _runs_take_over(model: nn.Module, entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
@@ -573,19 +576,28 @@ def _check_runs(
             )
         for through, (rule, origin) in runs.items():
             for member in run_members(model, name, through, f"{origin} ({rule})")[1:]:
-                own = [
-                    (r, o)
-                    for k, (r, o) in decided.get(member, {}).items()
-                    if r.level
-                    >= rule.level  # below it, the run takes over: NOTE [ Runs take over ]
+                own = decided.get(member, {})
+                # below the run's level a member may be a region alone (NOTE [ Runs take
+                # over ]), but neither another run nor a stack of segments
+                clash = [
+                    (k, r, o)
+                    for k, (r, o) in own.items()
+                    if r.level >= rule.level or r.through is not None or r.segments is not None
                 ]
-                if own:
-                    r, o = own[0]
+                if clash:
+                    _, r, o = clash[0]
+                    what = (
+                        "starts a run of its own"
+                        if r.through is not None
+                        else "is split into segments"
+                        if r.segments is not None and r.level < rule.level
+                        else f"has a level of its own, not below the run's {int(rule.level)}"
+                    )
                     raise ConfigError(
                         f"{member!r} is inside the run {name!r} through {through!r} of {origin} "
-                        f"({rule}) and also has a level of its own from {o} ({r}), not below "
-                        f"the run's {int(rule.level)}; from the run's level on, a module of a "
-                        "run is checkpointed with the run. Drop one of the two rules, give the "
+                        f"({rule}) and {what}, from {o} ({r}); from the run's level on, a "
+                        "module of a run is checkpointed with the run, and below it only alone "
+                        "(no 'through', no 'segments'). Drop one of the two rules, give the "
                         "module a lower level than the run, or end the run before it."
                     )
 

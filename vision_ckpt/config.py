@@ -260,7 +260,9 @@ class LevelRule(_Schema):
     ResNet's ``conv1`` ... ``maxpool``), are checkpointed as one region. The run is checked
     at every call; where the parent does anything else, the region ends there, exactly. A
     selected module without that later sibling is an error, except in a preset, whose rule
-    then leaves that module out (one model class can hold blocks of several layouts)."""
+    then leaves that module out (one model class can hold blocks of several layouts). A later
+    member may have a level of its own below the rule's: from the rule's level on, the run
+    takes its place."""
 
     @field_validator("through")
     @classmethod

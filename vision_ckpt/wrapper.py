@@ -340,8 +340,10 @@ class Rung:
     context_fn: Callable[[], tuple[Any, Any]] | None = None
     """Passed to the core (selective checkpointing), or ``None``."""
     until: Level | None = None
-    """A selective rung stops applying at this training level (see NOTE [ Selective regions
-    step aside ]); ``None``: it applies at every level from ``level`` on."""
+    """The rung stops applying at this training level: a selective one where a full region
+    inside it starts (NOTE [ Selective regions step aside ]), a later member's of a run where
+    the run starts (NOTE [ Runs take over ] in ``apply.py``); ``None``: it applies at every
+    level from ``level`` on."""
     through: str | None = None
     """The last of a run of sibling modules checkpointed with this one as one region (see
     :class:`ChainCall`); ``None``: the module alone."""
@@ -378,8 +380,8 @@ RungT = TypeVar("RungT")
 
 def rung_within(rungs: Sequence[RungT], level: int) -> RungT | None:
     """Of ``rungs`` (by increasing level, each with ``level`` and ``until``), the one that
-    applies at training ``level``: the highest within it, skipping a selective rung past its
-    ``until`` (NOTE [ Selective regions step aside ])."""
+    applies at training ``level``: the highest within it, skipping a rung past its ``until``
+    (NOTE [ Selective regions step aside ], NOTE [ Runs take over ] in ``apply.py``)."""
     chosen = None
     for rung in rungs:
         if not is_checkpointed(rung.level, level):  # type: ignore[attr-defined]
