@@ -86,12 +86,19 @@ class CheckpointedForward:
         return int(self.policy.rungs[0].level) if self.policy.rungs else 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_under(self.policy, self.segmented, args, kwargs)
+
+    def _run_under(
+        self, policy: Policy, segmented: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The module's forward as ``policy`` decides now: plainly, in segments (``segmented``:
+        a rung of it has segments) or as one region."""
         run = self.run
-        if not self.policy.rungs or not run.module.training or not torch.is_grad_enabled():
+        if not policy.rungs or not run.module.training or not torch.is_grad_enabled():
             return run(*args, **kwargs)
-        if self.segmented and len(args) == 1 and not kwargs:
-            return run_segments(self.policy, run.module, run, run.name, args[0])
-        return run_policy(self.policy, run, args, kwargs, module=run.module, label=run.name)
+        if segmented and len(args) == 1 and not kwargs:
+            return run_segments(policy, run.module, run, run.name, args[0])
+        return run_policy(policy, run, args, kwargs, module=run.module, label=run.name)
 
     def __repr__(self) -> str:
         policy = self.policy
@@ -194,10 +201,9 @@ class ChainedForward(CheckpointedForward):
 
     def _alone(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A later member called outside the run: plainly, or as its own rungs say."""
-        run, own = self.run, self.own
-        if own is None or not own.rungs or not run.module.training or not torch.is_grad_enabled():
-            return run(*args, **kwargs)
-        return run_policy(own, run, args, kwargs, module=run.module, label=run.name)
+        if self.own is None:
+            return self.run(*args, **kwargs)
+        return self._run_under(self.own, False, args, kwargs)  # no segments: _check_runs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         run, chain = self.run, self.chain

@@ -29,7 +29,7 @@ from ._install import install, install_chain, uninstall
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
 from .levels import Level, is_group, parse_level
-from .matching import ModuleMatcher, qualified_class_name, starts_run
+from .matching import ModuleMatcher, later_siblings, qualified_class_name
 from .wrapper import HEAVY_OPS, Policy, Rung, SaveOps, get_training_level, rung_within
 
 __all__ = [
@@ -358,8 +358,9 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
             _check_segments(model, rule, origin, callable_hits)
         if rule.through is not None:
             if not required:  # see NOTE [ A preset's runs ]
-                names = [n for n, _ in modules]
-                callable_hits = [n for n in callable_hits if starts_run(names, n, rule.through)]
+                callable_hits = [
+                    n for n in callable_hits if rule.through in later_siblings(model, n)
+                ]
             for name in callable_hits:
                 run_members(model, name, rule.through, f"{origin} ({rule})")
         for name in callable_hits:
@@ -546,8 +547,7 @@ def run_members(model: nn.Module, name: str, through: str, origin: str) -> list[
             "sibling of the selected module, and the model has none. Select the first module "
             "of the run instead."
         )
-    children = list(model.get_submodule(parent_name)._modules)
-    later = children[children.index(own) + 1 :]
+    later = later_siblings(model, name)
     if through not in later:
         where = f"{parent_name!r}" if parent_name else "the model"
         raise ConfigError(
@@ -563,7 +563,8 @@ def _check_runs(
     model: nn.Module, decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]
 ) -> None:
     """A module is the first of at most one run, and a later member of a run has no level of
-    its own: its forward belongs to the run."""
+    its own from the run's level on (its forward belongs to the run there) and neither a run
+    nor segments below it (NOTE [ Runs take over ])."""
     for name, ways in decided.items():
         runs = {
             k[-1]: (rule, origin) for k, (rule, origin) in ways.items() if len(k) == 4 and k[-1]
@@ -580,12 +581,12 @@ def _check_runs(
                 # below the run's level a member may be a region alone (NOTE [ Runs take
                 # over ]), but neither another run nor a stack of segments
                 clash = [
-                    (k, r, o)
-                    for k, (r, o) in own.items()
+                    (r, o)
+                    for r, o in own.values()
                     if r.level >= rule.level or r.through is not None or r.segments is not None
                 ]
                 if clash:
-                    _, r, o = clash[0]
+                    r, o = clash[0]
                     what = (
                         "starts a run of its own"
                         if r.through is not None

@@ -34,7 +34,7 @@ __all__ = [
     "compile_type_pattern",
     "ModuleMatcher",
     "qualified_class_name",
-    "starts_run",
+    "later_siblings",
 ]
 
 _COMPONENT_CHARS = re.compile(r"[A-Za-z0-9_\-*?]+")
@@ -189,18 +189,19 @@ class ModuleMatcher:
         return f"ModuleMatcher({', '.join(fields)})"
 
 
-def starts_run(module_names: list[str], name: str, through: str) -> bool:
-    """Whether the module ``name`` has a later sibling called ``through``, in the order of
-    ``module_names`` (the names of ``named_modules()``, children in their parent's order): the
-    run a rule's ``through`` asks for exists.
+def later_siblings(root: Any, name: str) -> list[str]:
+    """The names of the children that the parent of module ``name`` (under ``root``, a
+    ``torch.nn.Module``) registered after it, in order: where a rule's ``through`` may end.
+    The model itself has none.
 
-    >>> names = ["", "blocks", "blocks.0", "blocks.0.conv_pw", "blocks.0.bn1", "blocks.1",
-    ...          "blocks.1.bn1", "blocks.1.conv_pw"]
-    >>> starts_run(names, "blocks.0.conv_pw", "bn1"), starts_run(names, "blocks.1.conv_pw", "bn1")
-    (True, False)
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+    ...                           torch.nn.ReLU())
+    >>> later_siblings(net, "1"), later_siblings(net, "")
+    (['2'], [])
     """
     if not name:
-        return False
+        return []
     parent, _, own = name.rpartition(".")
-    siblings = [n.rpartition(".")[2] for n in module_names if n and n.rpartition(".")[0] == parent]
-    return own in siblings and through in siblings[siblings.index(own) + 1 :]
+    children = list(root.get_submodule(parent)._modules)
+    return children[children.index(own) + 1 :]

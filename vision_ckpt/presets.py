@@ -75,8 +75,8 @@ from .matching import (
     ModuleMatcher,
     compile_type_pattern,
     exact_name_pattern,
+    later_siblings,
     qualified_class_name,
-    starts_run,
 )
 
 __all__ = [
@@ -411,11 +411,11 @@ def _named_modules(model: Any) -> list[tuple[str, Any]]:
 def _selecting(rule: LevelRule, modules: list[tuple[str, Any]]) -> Iterator[str]:
     """The names of the modules ``rule`` selects, lazily."""
     matcher = ModuleMatcher(rule.match, rule.match_type)
-    names = [name for name, _ in modules] if rule.through is not None else []
+    root = modules[0][1]  # named_modules() starts with ("", the model)
     for name, module in modules:
         if matcher.matches(name, type(module).__name__, qualified_class_name(module)) and (
             # A run that this model lacks: see NOTE [ A preset's runs ] in apply.py.
-            rule.through is None or starts_run(names, name, rule.through)
+            rule.through is None or rule.through in later_siblings(root, name)
         ):
             yield name
 
@@ -510,7 +510,6 @@ def _wrapper_rules(
         head, dot, rest = name.partition(".")
         return lifted[head] + dot + rest if head in lifted else name
 
-    original_names = [n for n, _ in original.named_modules()]
     out = []
     for i, rule in enumerate(rules):
         matcher = ModuleMatcher(rule.match, rule.match_type)
@@ -525,7 +524,7 @@ def _wrapper_rules(
             # a run the original model lacks (NOTE [ A preset's runs ] in apply.py)
             and (
                 rule.through is None
-                or starts_run(original_names, original_name(name), rule.through)
+                or rule.through in later_siblings(original, original_name(name))
             )
         ]
         if not wanted:
