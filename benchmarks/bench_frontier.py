@@ -50,8 +50,10 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import timm
 import torch
@@ -124,14 +126,20 @@ def _profiler_peak(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         F.cross_entropy(model(x), y).backward()
-    # Allocation (+) and free (-) records of the CPU allocator, in time order.
-    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    records.sort(key=lambda e: e.start_ns())
-    live = peak = 0
+    _, live = live_bytes(prof.profiler.kineto_results.events())
+    return max(live, default=0)
+
+
+def live_bytes(events: Iterable[Any]) -> tuple[list[int], list[int]]:
+    """From a profile's events, the times (ns) of the CPU allocator's allocation (+) and free
+    (-) records, in time order, and the bytes live after each: the ``prof peak`` meter."""
+    records = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    stamps, live, total = [], [], 0
     for e in records:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+        total += e.nbytes()
+        stamps.append(e.start_ns())
+        live.append(total)
+    return stamps, live
 
 
 class _Variant:

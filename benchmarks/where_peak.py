@@ -28,6 +28,7 @@ from typing import Any
 import timm
 import torch
 import torch.nn.functional as F
+from bench_frontier import live_bytes  # a sibling script: run from this folder's path
 from torch import nn
 
 import vision_ckpt
@@ -73,12 +74,7 @@ def where_peak(model: nn.Module, x: torch.Tensor, y: torch.Tensor, depth: int) -
     ):
         F.cross_entropy(model(x), y).backward()
     events = list(prof.profiler.kineto_results.events())
-    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    stamps, live, total = [], [], 0
-    for e in memory:
-        total += e.nbytes()
-        stamps.append(e.start_ns())
-        live.append(total)
+    stamps, live = live_bytes(events)  # the meter of bench_frontier.py's prof peak
     peak = max(live)
     at = stamps[live.index(peak)]
 
