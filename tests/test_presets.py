@@ -85,6 +85,8 @@ FAMILY_MODELS: dict[str, list[tuple[str, Callable[[], nn.Module]]]] = {
     "efficientnet": [
         ("efficientnet_b0", _meta_timm("efficientnet_b0")),
         ("efficientnetv2_rw_t", _meta_timm("efficientnetv2_rw_t")),
+        ("efficientnet_es", _meta_timm("efficientnet_es")),  # edge residuals from stage 0
+        ("mobilenetv1_100", _meta_timm("mobilenetv1_100")),  # depthwise-separable throughout
     ],
     "mobilenetv3": [("mobilenetv3_large_100", _meta_timm("mobilenetv3_large_100"))],
     "maxxvit": [

@@ -313,14 +313,14 @@ def test_a_feature_wrapper_keeps_the_part_of_the_stem_it_has(arch, indices, head
 
 def test_a_presets_run_applies_to_the_blocks_that_have_it() -> None:
     """timm's EfficientNet class holds inverted residuals (conv_pw, bn1, conv_dw, bn2, ...) and
-    depthwise-separable blocks (conv_dw, bn1, se, conv_pw, bn2): the preset's level-5 runs
+    depthwise-separable blocks (conv_dw, bn1, se, conv_pw, bn2): the preset's level-4 runs
     'conv_pw through bn1' and 'conv_dw through bn1' each take the blocks where bn1 comes later,
     while the same rule given by a user is strict."""
 
     def runs(arch: str) -> dict[str, str]:
         with torch.device("meta"):
             model = timm.create_model(arch, pretrained=False)
-        p = vision_ckpt.plan(model, {"training_checkpoint_level": 5, "preset": "auto"})
+        p = vision_ckpt.plan(model, {"training_checkpoint_level": 4, "preset": "auto"})
         return {e.name: e.through for e in p if e.through is not None and e.checkpointed}
 
     b0 = runs("efficientnet_b0")
@@ -328,13 +328,13 @@ def test_a_presets_run_applies_to_the_blocks_that_have_it() -> None:
     assert b0["blocks.1.0.conv_pw"] == "bn1" and "blocks.1.0.conv_dw" not in b0
     with torch.device("meta"):
         b0_model = timm.create_model("efficientnet_b0", pretrained=False)
-    at4 = vision_ckpt.plan(b0_model, {"training_checkpoint_level": 4, "preset": "auto"})
-    # level 4 nests bn1 alone; from level 5 the run takes its place (NOTE [ Runs take over ])
-    assert at4["blocks.1.0.bn1"].checkpointed and not at4["blocks.1.0.conv_pw"].checkpointed
-    at5 = at4.at_level(5)
-    assert at5["blocks.1.0.conv_pw"].checkpointed and not at5["blocks.1.0.bn1"].checkpointed
+    at3 = vision_ckpt.plan(b0_model, {"training_checkpoint_level": 3, "preset": "auto"})
+    # level 3 nests bn1 alone; from level 4 the run takes its place (NOTE [ Runs take over ])
+    assert at3["blocks.1.0.bn1"].checkpointed and not at3["blocks.1.0.conv_pw"].checkpointed
+    at4 = at3.at_level(4)
+    assert at4["blocks.1.0.conv_pw"].checkpointed and not at4["blocks.1.0.bn1"].checkpointed
     v1 = runs("mobilenetv1_100")  # depthwise-separable blocks in every stage
-    assert "blocks.3.0.conv_dw" in v1 and not any(n.endswith("conv_pw") for n in v1)
+    assert "blocks.1.0.conv_dw" in v1 and not any(n.endswith("conv_pw") for n in v1)
     with torch.device("meta"):
         model = timm.create_model("mobilenetv1_100", pretrained=False)
     with pytest.raises(ConfigError, match=r"runs 'blocks.0.0.conv_pw' through 'bn1', which is not"):
@@ -349,8 +349,8 @@ def test_a_presets_run_keeps_its_glob_in_a_feature_wrapper() -> None:
     with torch.device("meta"):
         model = timm.create_model("efficientnet_b0", pretrained=False, features_only=True)
     runs = {r.match: r for r, _ in vision_ckpt.presets.preset_rules(model, "auto") if r.through}
-    assert {"blocks.*.*.conv_pw", "blocks.*.*.conv_dw"} <= set(runs)
-    p = vision_ckpt.plan(model, {"training_checkpoint_level": 5, "preset": "auto"})
+    assert {"blocks.1.*.conv_pw", "blocks.0.*.conv_dw"} <= set(runs)
+    p = vision_ckpt.plan(model, {"training_checkpoint_level": 4, "preset": "auto"})
     assert p["blocks.1.0.conv_pw"].checkpointed and "blocks.0.0.conv_pw" not in {e.name for e in p}
 
 

@@ -86,8 +86,8 @@ def _kept_bytes(model: nn.Module, x: torch.Tensor) -> int:
     [("resnet50", 64, 0.8), ("convnext_tiny", 64, 0.8), ("efficientnet_b0", 64, 0.8)],
 )
 def test_selective_levels_keep_less_than_no_checkpointing(name: str, size: int, most: float):
-    """Level 1 keeps far less than level 0, and level 2 less again, except EfficientNet's, which
-    is level 1's plan (its depthwise convs bought 3.7% of the batch-32 peak for +20% time)."""
+    """Level 1 keeps far less than level 0, and level 2 (whole blocks in the high-resolution
+    stages, the rest selective) less again."""
     torch.manual_seed(0)
     kwargs = {k: v for k, v in FAMILIES[name][0].items() if k != "drop_path_rate"}
     model = timm.create_model(name, pretrained=False, num_classes=5, **kwargs).train()
@@ -98,10 +98,7 @@ def test_selective_levels_keep_less_than_no_checkpointing(name: str, size: int, 
         kept[level] = _kept_bytes(model, x)
     vision_ckpt.remove(model)
     assert kept[1] < most * kept[0], kept
-    if name == "efficientnet_b0":
-        assert kept[2] == kept[1], kept
-    else:
-        assert kept[2] < kept[1], kept
+    assert kept[2] < kept[1], kept
 
 
 def test_stage_selective_frees_what_block_selective_cannot():
