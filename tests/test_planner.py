@@ -246,6 +246,18 @@ def test_candidates_are_the_blocks_whole_from_level_2_and_3() -> None:
     assert [c["name"] for c in result.candidates] == ["conv1", *blocks]
 
 
+def test_candidates_include_the_blocks_of_stages_a_preset_keeps_selective() -> None:
+    """timm's efficientnet preset recomputes whole blocks only in stages 0-1; the later stages
+    are selective at every level, yet the planner still chooses per block there."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_efficientnet", pretrained=False, num_classes=4).train()
+    result = plan_for_budget(model, torch.randn(2, 3, 32, 32), "1GiB", batch_size=2)
+    blocks = [f"blocks.{s}.0" for s in range(len(model.blocks))]
+    assert [c["name"] for c in result.candidates] == ["conv_stem", *blocks, "bn2"]
+
+
 def test_candidates_are_a_maxvit_block_not_its_parts() -> None:
     """A MaxViT block holds two attention parts of one class: it is still one block, unlike a
     stage that holds numbered blocks (ResNet's layer1 from level 3)."""

@@ -165,6 +165,28 @@ def _candidate_blocks(plan: Any) -> list[Any]:
     return []
 
 
+def _with_stage_blocks(model: torch.nn.Module, base: CheckpointConfig, plan: Any) -> Any:
+    """``plan`` again with the numbered blocks of each selective stage that holds no planned
+    module (EfficientNet's later stages, selective at every level of its preset) whole at level
+    3, so that the planner chooses per block there too, not per stage."""
+    planned = [e.name for e in plan.entries]
+    blocks = []
+    for entry in plan.entries:
+        rungs = entry.rungs or ()
+        if not entry.name or not rungs or any(r.strategy != "selective" for r in rungs):
+            continue
+        if any(n.startswith(entry.name + ".") for n in planned):
+            continue
+        children = list(model.get_submodule(entry.name).named_children())
+        if children and all(n.isdigit() for n, _ in children):
+            if len({type(m) for _, m in children}) == 1:
+                blocks += [f"{entry.name}.{n}" for n, _ in children]
+    if not blocks:
+        return plan
+    rules = [*base.rules, *(LevelRule(match=exact_name_pattern(n), level=3) for n in blocks)]
+    return _plan(model, base.model_copy(update={"rules": rules}))
+
+
 def _holds_repeats(entry: Any, entries: list[Any]) -> bool:
     """Whether two or more of ``entries`` inside ``entry`` are numbered blocks of one class
     (``layer1.0``, ``layer1.1``: a stack), not a block's named parts (``attn_block``,
@@ -449,7 +471,7 @@ def _measure_menus(
     """Price every candidate block's menu at ``target`` (NOTE [ Pricing the strategies of a
     block ]). The model must be restored by the caller."""
     model = work.model
-    full_plan = _plan(model, base_config)
+    full_plan = _with_stage_blocks(model, base_config, _plan(model, base_config))
     candidates = _candidate_blocks(full_plan)
     if not candidates:
         raise ConfigError(
