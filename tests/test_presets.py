@@ -87,6 +87,7 @@ FAMILY_MODELS: dict[str, list[tuple[str, Callable[[], nn.Module]]]] = {
         ("efficientnetv2_rw_t", _meta_timm("efficientnetv2_rw_t")),
         ("efficientnet_es", _meta_timm("efficientnet_es")),  # edge residuals from stage 0
         ("mobilenetv1_100", _meta_timm("mobilenetv1_100")),  # depthwise-separable throughout
+        ("fbnetc_100", _meta_timm("fbnetc_100")),  # an inverted residual in stage 0
     ],
     "mobilenetv3": [("mobilenetv3_large_100", _meta_timm("mobilenetv3_large_100"))],
     "maxxvit": [

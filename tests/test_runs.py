@@ -333,8 +333,14 @@ def test_a_presets_run_applies_to_the_blocks_that_have_it() -> None:
     assert at3["blocks.1.0.bn1"].checkpointed and not at3["blocks.1.0.conv_pw"].checkpointed
     at4 = at3.at_level(4)
     assert at4["blocks.1.0.conv_pw"].checkpointed and not at4["blocks.1.0.bn1"].checkpointed
+    # the later stages stay selective at every level: no whole block, no run there
+    for level in range(1, 6):
+        p = at3.at_level(level)
+        assert p["blocks.2"].checkpointed and p["blocks.2"].rung_at(level).strategy == "selective"
+        assert not any(e.checkpointed for e in p if e.name.startswith("blocks.2."))
     v1 = runs("mobilenetv1_100")  # depthwise-separable blocks in every stage
     assert "blocks.1.0.conv_dw" in v1 and not any(n.endswith("conv_pw") for n in v1)
+    assert "blocks.2.0.conv_dw" not in v1  # only in the two stages recomputed whole
     with torch.device("meta"):
         model = timm.create_model("mobilenetv1_100", pretrained=False)
     with pytest.raises(ConfigError, match=r"runs 'blocks.0.0.conv_pw' through 'bn1', which is not"):
