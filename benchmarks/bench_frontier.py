@@ -24,7 +24,14 @@ Measured per variant:
   median of the per-round ratios to ``L0``, so machine load that changes between rounds
   cancels. ``--clock cpu`` times the process's CPU seconds instead of wall seconds: with
   ``--threads 1`` that is the step's own compute, which other work on a shared machine
-  changes far less than it changes wall time (time spent waiting for a core is not counted);
+  changes far less than it changes wall time (time spent waiting for a core is not counted).
+  By default glibc hands every large freed block back to the kernel, so the next allocation
+  faults its pages in and the kernel zeroes them; that work is counted in the process's CPU
+  time and grows with the bytes a step allocates (on efficientnet_b0 at batch 32 it was over
+  half of no checkpointing's step), so it moves the ratios in either direction.
+  ``--allocator cached`` comes closer to a GPU's caching allocator: freed blocks up to 32 MB
+  stay in the process (glibc's largest mmap threshold), and larger ones, still mapped and
+  zeroed afresh, come on 2 MB pages, which fault 512x less often;
 - ``BN``: whether the BatchNorm running statistics after the first step equal ``L0``'s exactly.
 
 The frontier is the set of variants no other variant beats on both peak (``prof peak``) and
@@ -36,6 +43,7 @@ Usage::
     python benchmarks/bench_frontier.py --threads 2 --reps 3                 # six models, batch 32
     python benchmarks/bench_frontier.py --models resnet50 --batch-sizes 8 --reps 2 --no-compile
     python benchmarks/bench_frontier.py --threads 1 --clock cpu --no-compile    # a shared CPU
+    python benchmarks/bench_frontier.py --threads 1 --clock cpu --allocator cached --no-compile
     python benchmarks/bench_frontier.py --render out/results.json            # table + plot again
 """
 
@@ -45,6 +53,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -438,6 +447,33 @@ def plot(rows: list[Row], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# glibc's malloc and torch's CPU allocator settings that keep freed memory in the process:
+# blocks up to 32 MB (glibc's largest mmap threshold) come from the heap, which is never
+# trimmed; larger ones are still mapped afresh, on 2 MB pages (torch's THP_MEM_ALLOC_ENABLE),
+# so they fault 512x less often. Read at process start, hence the re-execution.
+_CACHED_ALLOCATOR = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+    "MALLOC_TOP_PAD_": str(1 << 30),
+    "THP_MEM_ALLOC_ENABLE": "1",
+}
+
+
+def _with_allocator(allocator: str, argv: list[str] | None) -> str:
+    """Run this script again under the ``cached`` allocator settings unless they are set; the
+    settings in effect, for the results' environment line."""
+    if allocator == "cached" and any(os.environ.get(k) != v for k, v in _CACHED_ALLOCATOR.items()):
+        if argv is not None:
+            raise SystemExit(
+                "--allocator cached restarts the script with its settings, which a caller of "
+                "main(argv) cannot; set them in the environment first: "
+                + " ".join(f"{k}={v}" for k, v in _CACHED_ALLOCATOR.items())
+            )
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, **_CACHED_ALLOCATOR})
+    found = " ".join(f"{k}={os.environ[k]}" for k in _CACHED_ALLOCATOR if k in os.environ)
+    return f"{allocator} allocator" + (f" ({found})" if found else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
@@ -452,12 +488,20 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="time wall seconds, or the process's CPU seconds (use with --threads 1)",
     )
+    p.add_argument(
+        "--allocator",
+        choices=("system", "cached"),
+        default="system",
+        help="system: glibc's defaults; cached: keep freed memory in the process, as a GPU's "
+        "caching allocator does (see the module docstring)",
+    )
     p.add_argument("--out", default="frontier_out")
     p.add_argument("--render", help="results.json of an earlier run: print and plot it again")
     args = p.parse_args(argv)
     console = Console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    allocator = "" if args.render else _with_allocator(args.allocator, argv)
     if args.render:
         data = json.loads(Path(args.render).read_text())
         rows = [Row(**r) for r in data["rows"]]
@@ -480,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                             "command": "python " + shlex.join(sys.argv),
                             "environment": f"torch {torch.__version__}, timm {timm.__version__}, "
                             f"{platform.processor() or platform.machine()}, "
-                            f"{torch.get_num_threads()} threads",
+                            f"{torch.get_num_threads()} threads, {allocator}",
                             "rows": [asdict(r) for r in rows],
                         },
                         indent=1,
