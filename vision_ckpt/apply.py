@@ -707,7 +707,11 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
         for entry, module in installs
         if entry.rungs and entry.name not in in_runs  # never checkpointed: leave it untouched
     )
-    own = {e.name: _policy(the_plan, e, shared) for e, _ in installs if e.name in in_runs}
+    own = {  # a later member's own rungs, for its calls outside the run (NOTE [ Runs take over ])
+        e.name: _policy(the_plan, e, shared)
+        for e, _ in installs
+        if e.name in in_runs and e.name not in runs
+    }
     for entry, _ in installs:
         if entry.name in runs:
             names = runs[entry.name]
