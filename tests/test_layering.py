@@ -25,7 +25,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vision_ckpt"
 LAYERS: list[set[str]] = [
     {"errors", "_version", "_torch_floor"},
     {"levels", "matching", "_memory", "_optimise"},  # levels, matching -> errors; _optimise: none
-    {"_core", "config"},  # _core -> errors; config -> errors, levels, matching (no torch)
+    {"_core", "_lean", "config"},  # _core -> errors; _lean: torch only; config -> errors, levels,
+    # matching (no torch)
     {"wrapper", "presets"},  # wrapper -> _core, levels; presets -> config, matching
     {"_install"},  # the install layer of issue 9: what apply puts on a model and takes off
     {"apply"},  # -> wrapper, presets, config, matching

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._lean import lean_mlp_forward
 from .errors import ConfigError
-from .wrapper import ChainCall, Policy, run_policy, run_segments
+from .wrapper import ChainCall, Policy, lean_now, run_policy, run_segments
 
 __all__ = [
     "CheckpointedForward",
@@ -72,6 +73,33 @@ class _ModuleForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
 
+class _LeanForward:
+    """A timm ``Mlp``'s forward with the lean backward (NOTE [ Lean MLP ] in ``_lean``), or,
+    for a call it cannot take, the module's own forward with a warning (once per reason)."""
+
+    def __init__(self, run: _ModuleForward) -> None:
+        self.run = run
+        self.warned: set[str] = set()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run = self.run
+        if len(args) == 1 and not kwargs:
+            out, why = lean_mlp_forward(run.module, args[0])
+            if out is not None:
+                return out
+        else:
+            why = "it was called with other than one tensor"
+        if why not in self.warned:
+            self.warned.add(why)
+            warnings.warn(
+                f"{run.name!r} runs its own forward, not the lean one its level asks for: "
+                f"{why}. Its gradients are exact; it holds one hidden-size tensor more.",
+                UserWarning,
+                stacklevel=4,
+            )
+        return run(*args, **kwargs)
+
+
 class CheckpointedForward:
     """The instance-level ``forward`` that :func:`install` gives a selected module."""
 
@@ -79,6 +107,7 @@ class CheckpointedForward:
         self.run = _ModuleForward(module, name, module.__dict__.get("forward"))
         self.policy = policy
         self.segmented = any(r.segments is not None for r in policy.rungs)
+        self.lean = _LeanForward(self.run) if policy.lean is not None else None
 
     @property
     def fn_checkpoint_level(self) -> int:
@@ -94,18 +123,25 @@ class CheckpointedForward:
         """The module's forward as ``policy`` decides now: plainly, in segments (``segmented``:
         a rung of it has segments) or as one region."""
         run = self.run
-        if not policy.rungs or not run.module.training or not torch.is_grad_enabled():
+        if not run.module.training or not torch.is_grad_enabled():
             return run(*args, **kwargs)
+        fn = self.lean if self.lean is not None and lean_now(policy) else run
+        if not policy.rungs:
+            return fn(*args, **kwargs)
         if segmented and len(args) == 1 and not kwargs:
             return run_segments(policy, run.module, run, run.name, args[0])
-        return run_policy(policy, run, args, kwargs, module=run.module, label=run.name)
+        return run_policy(policy, fn, args, kwargs, module=run.module, label=run.name)
 
     def __repr__(self) -> str:
         policy = self.policy
         pinned = policy.training_level
         rungs = ", ".join(
-            f"{r.strategy}{'' if r.segments is None else f'/segments={r.segments}'}@{int(r.level)}"
-            for r in policy.rungs
+            [
+                f"{r.strategy}{'' if r.segments is None else f'/segments={r.segments}'}"
+                f"@{int(r.level)}"
+                for r in policy.rungs
+            ]
+            + ([] if policy.lean is None else [f"lean@{int(policy.lean)}"])
         )
         return (
             f"<checkpointed forward of {self.run.name!r}: {rungs or 'never'}, "

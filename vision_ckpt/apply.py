@@ -26,9 +26,10 @@ from typing import Any
 from torch import nn
 
 from ._install import install, install_chain, uninstall
+from ._lean import lean_mlp_problem
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
-from .levels import Level, is_group, parse_level
+from .levels import Level, is_checkpointed, is_group, parse_level
 from .matching import ModuleMatcher, later_siblings, qualified_class_name
 from .wrapper import HEAVY_OPS, Policy, Rung, SaveOps, get_training_level, rung_within
 
@@ -108,6 +109,14 @@ class PlanEntry:
     holds_several: frozenset[int] = frozenset()
     """Training levels at which it directly holds two or more fully checkpointed modules, and
     is therefore recomputed like a group (see ``CheckpointConfig.nesting``)."""
+    lean: Level | None = None
+    """The training level from which the module (a timm ``Mlp``) runs with the lean backward
+    (``LevelRule.strategy``), or ``None``. Not a region: ``rungs`` and ``checkpointed`` leave it
+    out."""
+
+    def lean_at(self, level: int) -> bool:
+        """Whether the module runs with the lean backward at training ``level``."""
+        return self.lean is not None and is_checkpointed(self.lean, level)
 
     def rung_at(self, level: int) -> PlannedRung | None:
         """The rung that applies at training ``level``: the highest one within it."""
@@ -210,11 +219,15 @@ class CheckpointPlan:
             table.add_column(column, overflow="fold")
         for e in self.entries:
             rung = e.rung_at(self.training_level) if e.checkpointed else None
+            now = "-" if rung is None else ("segments" if rung.segments else rung.strategy)
+            if e.lean_at(self.training_level):
+                now = "lean" if rung is None else f"{now}, lean"
+            levels = [str(r) for r in e.rungs] + ([] if e.lean is None else [f"lean {e.lean:d}"])
             table.add_row(
                 e.name or "(model)",
                 e.class_name,
-                ", ".join(map(str, e.rungs)) or "0",
-                "-" if rung is None else ("segments" if rung.segments else rung.strategy),
+                ", ".join(levels) or "0",
+                now,
                 e.rule,
                 e.origin,
             )
@@ -356,6 +369,8 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
             _no_match(model, modules, rule, origin, hits, strict=cfg.strict)
         if rule.segments is not None:
             _check_segments(model, rule, origin, callable_hits)
+        if rule.strategy == "lean":
+            callable_hits = _lean_hits(model, rule, origin, callable_hits, required)
         if rule.through is not None:
             if not required:  # see NOTE [ A preset's runs ]
                 callable_hits = [
@@ -369,12 +384,20 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
             else:
                 ways = decided.setdefault(name, {})
                 ways.pop(("none",), None)
-                for other in [k for k, (r, _) in ways.items() if r.level == rule.level]:
+                # a lean rule replaces the module's other lean rule; a region's rule replaces
+                # the regions' rules of its level (a lean level is not a region's)
+                lean = rule.strategy == "lean"
+                for other in [
+                    k
+                    for k, (r, _) in ways.items()
+                    if (r.strategy == "lean") == lean and (lean or r.level == rule.level)
+                ]:
                     del ways[other]
                 key = (rule.strategy, rule.segments, rule.recompute_below, rule.through)
                 ways[key] = (rule, origin)
 
     _check_runs(model, decided)
+    _check_lean(decided)
     pinned = cfg.training_checkpoint_level
     level = pinned if pinned is not None else get_training_level()
     entries = _holds_several(
@@ -406,12 +429,15 @@ def _entry(
             rule.level, rule.strategy, rule.segments, rule.recompute_below, through=rule.through
         )
         for rule, _ in used
-        if rule.level > 0
+        if rule.level > 0 and rule.strategy != "lean"
     )
+    lean = next((r.level for r, _ in used if r.level > 0 and r.strategy == "lean"), None)
+    levels = [r.level for r in rungs] + ([lean] if lean is not None else [])
     return PlanEntry(
         name=name,
         class_name=class_name,
-        level=rungs[0].level if rungs else Level.NONE,
+        level=min(levels, default=Level.NONE),
+        lean=lean,
         checkpointed=False,
         rule="; ".join(str(r) for r, _ in used),
         origin="; ".join(dict.fromkeys(o for _, o in used)),
@@ -603,6 +629,43 @@ def _check_runs(
                     )
 
 
+def _lean_hits(
+    model: nn.Module, rule: LevelRule, origin: str, names: list[str], required: bool
+) -> list[str]:
+    """The modules a ``lean`` rule selects that can run lean: a preset's rule leaves out the
+    others (a family can hold MLPs of other layouts, ``use_conv`` ones say); a user's rule
+    selecting one is an error."""
+    kept = []
+    for name in names:
+        problem = lean_mlp_problem(model.get_submodule(name))
+        if problem is None:
+            kept.append(name)
+        elif required:
+            raise ConfigError(
+                f"{origin} ({rule}) makes {name or '(the model)'!r} lean, but {problem}. "
+                "Strategy 'lean' is for timm's Mlp: nn.Linear fc1 and fc2 with biases, a "
+                "GELU act, an Identity norm and drop1 of p=0. Select the MLP modules "
+                "themselves (such as 'blocks.*.mlp'), or use strategy 'full' or 'selective'."
+            )
+    return kept
+
+
+def _check_lean(decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]) -> None:
+    """A lean module's forward calls none of its children's: none may have a rule."""
+    lean = {n: ways for n, ways in decided.items() if any(k[0] == "lean" for k in ways)}
+    for name, ways in lean.items():
+        inner = [n for n in decided if _is_ancestor(name, n) and ("none",) not in decided[n]]
+        if inner:
+            rule, origin = next(v for k, v in ways.items() if k[0] == "lean")
+            r, o = next(iter(decided[inner[0]].values()))
+            raise ConfigError(
+                f"{origin} ({rule}) makes {name!r} lean, and {o} ({r}) selects "
+                f"{inner[0]!r} inside it; a lean MLP computes its layers itself and never "
+                "calls their forwards. Checkpoint the MLP as a whole (a full or selective "
+                "rule on the MLP), or drop one of the rules."
+            )
+
+
 def _no_match(
     model: nn.Module,
     modules: list[tuple[str, nn.Module]],
@@ -705,7 +768,8 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
     install(
         (module, entry.name, _policy(the_plan, entry, shared))
         for entry, module in installs
-        if entry.rungs and entry.name not in in_runs  # never checkpointed: leave it untouched
+        # never checkpointed or lean: leave it untouched
+        if (entry.rungs or entry.lean is not None) and entry.name not in in_runs
     )
     own = {  # a later member's own rungs, for its calls outside the run (NOTE [ Runs take over ])
         e.name: _policy(the_plan, e, shared)
@@ -778,6 +842,7 @@ def _policy(
         the_plan.nesting,  # type: ignore[arg-type]
         the_plan.preserve_rng_state,
         entry.holds_several,
+        entry.lean,
     )
 
 

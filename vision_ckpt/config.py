@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 Nesting = Literal["auto", "all", "outermost"]
-Strategy = Literal["full", "selective"]
+Strategy = Literal["full", "selective", "lean"]
 
 _MEMORY_UNITS = {
     "b": 1,
@@ -240,7 +240,10 @@ class LevelRule(_Schema):
     products and attention are kept, and only the cheap operators (norms, activations, dropout,
     pooling, additions) are recomputed: a smaller saving for much less time. A module can carry
     one level per strategy (a selective one at 1 and a full one at 3, say); at a training level
-    the highest of its levels within it decides."""
+    the highest of its levels within it decides. ``lean``, for a timm ``Mlp`` (fc1, GELU, fc2)
+    only: not a region but an exact backward that keeps fc1's output and not GELU's, and holds
+    two hidden-size tensors at once instead of three, for one GELU recomputed; it combines with
+    the module's full or selective levels (checkpointed and lean, from both levels on)."""
 
     segments: Literal["auto"] | Annotated[int, Field(ge=1)] | None = None
     """For an ``nn.Sequential`` (a stack of layers) with strategy ``full``: checkpoint it as

@@ -84,8 +84,8 @@ __all__ = [
     "get_training_level",
 ]
 # Used by the install layer (vision_ckpt._install), not re-exported by the package:
-# Rung, Policy, choose_rung, run_policy, run_segments, segment_size, ChainCall, SaveOps,
-# HEAVY_OPS, flops_per_output.
+# Rung, Policy, choose_rung, lean_now, run_policy, run_segments, segment_size, ChainCall,
+# SaveOps, HEAVY_OPS, flops_per_output.
 
 
 # The process-wide training level (not thread-local: DataParallel replicas run forward on their
@@ -373,6 +373,19 @@ class Policy:
     holds_several: frozenset[int] = frozenset()
     """Training levels at which the region directly holds two or more fully checkpointed
     regions: at those it is recomputed like a group (NOTE [ Nesting ])."""
+    lean: Level | None = None
+    """The training level from which the module runs its lean forward (a timm ``Mlp``,
+    NOTE [ Lean MLP ] in ``_lean``), inside a region or not; ``None``: never."""
+
+
+def lean_now(policy: Policy) -> bool:
+    """Whether a module with ``policy`` runs its lean forward now: at the training level the
+    regions see (NOTE [ The training level seen by recomputation ]), so that a recomputation
+    runs the forward its first call ran."""
+    if policy.lean is None:
+        return False
+    pinned = policy.training_level
+    return is_checkpointed(policy.lean, _ambient_level() if pinned is None else pinned)
 
 
 RungT = TypeVar("RungT")

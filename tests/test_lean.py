@@ -1,0 +1,183 @@
+"""Strategy ``lean``: timm MLPs whose backward holds one hidden-size tensor fewer, exactly.
+
+The oracle is the plain model: outputs and every gradient bit for bit, with drop-path on, at
+every level, alone and inside full and selective regions; memory is counted in bytes."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import timm
+import torch
+from timm.layers import Mlp
+from torch import nn
+
+import vision_ckpt
+from vision_ckpt import ConfigError
+from vision_ckpt._memory import track_peak_memory
+
+LEAN = {"match": "blocks.*.mlp", "level": 1, "strategy": "lean"}
+
+
+def _vit(**kwargs) -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        num_classes=5,
+        img_size=32,
+        patch_size=8,
+        depth=3,
+        drop_path_rate=0.1,
+        **kwargs,
+    ).train()
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    torch.manual_seed(1)  # the same drop-path masks in every run
+    out = model(x)
+    out.float().square().mean().backward()
+    return out.detach(), [p.grad for p in model.parameters()]
+
+
+def _assert_same(got, want, assert_exact, where: str) -> None:
+    assert_exact(got[0], want[0], f"output {where}")
+    for i, (g, w) in enumerate(zip(got[1], want[1], strict=True)):
+        assert_exact(g, w, f"gradient {i} {where}")
+
+
+@pytest.mark.parametrize("base", [2, 3, 4])
+def test_lean_mlps_are_exact_alone_and_inside_full_and_selective_regions(base, assert_exact):
+    """Base levels: 2 makes the MLPs full regions, 3 the layers (the lean MLP inside a
+    recomputed layer), 4 groups of layers; at level 1 the layers are selective regions."""
+    model, x = _vit(), torch.randn(2, 3, 32, 32)
+    reference = _step(copy.deepcopy(model), x)
+    for level in range(0, base + 1):
+        applied = copy.deepcopy(model)
+        plan = vision_ckpt.apply(
+            applied,
+            {"training_checkpoint_level": level, "preset": "auto", "rules": [LEAN]},
+        )
+        assert plan["blocks.0.mlp"].lean_at(level) == (level >= 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every lean MLP takes the lean path
+            got = _step(applied, x)
+        _assert_same(got, reference, assert_exact, f"at level {level}")
+
+
+def test_lean_mlp_is_exact_under_cpu_autocast(assert_exact):
+    model, x = _vit(), torch.randn(2, 3, 32, 32)
+    plain, lean = copy.deepcopy(model), copy.deepcopy(model)
+    vision_ckpt.apply(lean, {"training_checkpoint_level": 1, "rules": [LEAN]})
+    results = []
+    for m in (plain, lean):
+        with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            results.append(_step(m, x))
+    assert results[0][0].dtype == torch.bfloat16
+    _assert_same(results[1], results[0], assert_exact, "under autocast")
+
+
+def _backward_peak(mlp: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """Bytes above the start at the end of forward, and at the step's peak."""
+    with track_peak_memory(mlp, x) as mem:
+        out = mlp(x)
+        kept = mem.end_bytes - mem.start_bytes
+        out.sum().backward()
+    return kept, mem.peak_bytes - mem.start_bytes
+
+
+def test_lean_mlp_keeps_and_peaks_one_hidden_tensor_lower():
+    """A 4x MLP on 2048 tokens of 16 channels (a hidden tensor H is 512 KB, one of the input's
+    size H/4, the weights 4 KB). Plain autograd keeps fc1's and GELU's outputs and its
+    backward holds three hidden tensors at once; lean keeps fc1's and holds two, beside two of
+    the input's size (the input and its gradient)."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(Mlp(16, 64)).train()
+    x = torch.randn(1, 2048, 16, requires_grad=True)
+    hidden = 2048 * 64 * 4
+    plain_kept, plain_peak = _backward_peak(mlp, x)
+    vision_ckpt.apply(mlp, {"training_checkpoint_level": 1, "rules": [LEAN | {"match": "0"}]})
+    lean_kept, lean_peak = _backward_peak(mlp, x)
+    assert plain_kept - lean_kept == hidden
+    assert plain_peak >= 3 * hidden
+    assert lean_peak <= 2.55 * hidden, lean_peak / hidden
+
+
+def test_lean_leaves_the_model_as_it_was():
+    model = _vit()
+    names = list(model.state_dict())
+    params = [id(p) for p in model.parameters()]
+    vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [LEAN]})
+    assert "lean@1" in repr(model.blocks[0].mlp.forward)
+    assert list(model.state_dict()) == names and [id(p) for p in model.parameters()] == params
+    assert vision_ckpt.remove(model) == 3
+    assert "forward" not in model.blocks[0].mlp.__dict__
+
+
+def test_the_plan_shows_lean_beside_the_regions():
+    plan = vision_ckpt.plan(
+        _vit(), {"training_checkpoint_level": 2, "preset": "auto", "rules": [LEAN]}
+    )
+    entry = plan["blocks.0.mlp"]
+    assert entry.lean == 1 and entry.checkpointed
+    row = next(line for line in str(plan).splitlines() if line.startswith("blocks.0.mlp "))
+    assert "full 2, lean 1" in row and "full, lean" in row
+    assert plan.at_level(0)["blocks.0.mlp"].lean_at(0) is False
+
+
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [
+        (
+            [{"match": "blocks.*.attn", "level": 1, "strategy": "lean"}],
+            r"makes 'blocks.0.attn' lean, but it is a Attention, not a timm Mlp.*"
+            r"Select the MLP modules themselves",
+        ),
+        (
+            [LEAN, {"match": "blocks.*.mlp.fc1", "level": 1}],
+            r"makes 'blocks.0.mlp' lean, and rules\[1\].*selects 'blocks.0.mlp.fc1' inside "
+            r"it; a lean MLP computes its layers itself",
+        ),
+        (
+            [LEAN | {"segments": 2}],
+            r"segments 2 with strategy 'lean'",
+        ),
+        (
+            [LEAN | {"through": "norm2"}],
+            r"strategy 'lean'; a run of sibling modules is checkpointed as one full region",
+        ),
+    ],
+)
+def test_lean_rules_that_cannot_work_are_errors(rules, message):
+    with pytest.raises(ConfigError, match=message):
+        vision_ckpt.plan(_vit(), {"training_checkpoint_level": 1, "rules": rules})
+
+
+def test_an_mlp_with_dropout_inside_is_an_error_for_a_rule_and_left_out_by_a_preset():
+    model = _vit(proj_drop_rate=0.1)
+    with pytest.raises(ConfigError, match=r"its drop1 drops \(p=0.1\) between GELU and fc2"):
+        vision_ckpt.plan(model, {"training_checkpoint_level": 1, "rules": [LEAN]})
+    plan = vision_ckpt.plan(model, {"training_checkpoint_level": 1, "preset": "auto"})
+    assert plan["blocks.0.mlp"].lean is None
+    assert _vit().blocks and vision_ckpt.plan(
+        _vit(), {"training_checkpoint_level": 1, "preset": "auto"}
+    )["blocks.0.mlp"].lean_at(1)
+
+
+def test_a_call_lean_cannot_take_warns_once_and_stays_exact(assert_exact):
+    """Dropout switched on after planning: the MLP runs its own forward, says so once."""
+    model, x = _vit(), torch.randn(2, 3, 32, 32)
+    vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [LEAN]})
+    model.blocks[0].mlp.drop1.p = 0.2
+    reference = copy.deepcopy(model)
+    vision_ckpt.remove(reference)
+    want = _step(reference, x)
+    with pytest.warns(UserWarning, match=r"'blocks.0.mlp' runs its own forward.*p=0.2"):
+        got = _step(model, x)
+    _assert_same(got, want, assert_exact, "with dropout switched on")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(model, x)

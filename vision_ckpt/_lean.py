@@ -1,0 +1,162 @@
+"""An exact MLP backward that holds one hidden-size tensor fewer: a rule's strategy ``lean``.
+
+Knows nothing of levels; :mod:`vision_ckpt._install` decides when a module runs this way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["lean_mlp_problem", "lean_mlp_forward"]
+
+# NOTE [ Lean MLP ]
+# Autograd runs the backward of fc1 -> GELU -> fc2 holding three hidden-size tensors at once:
+# fc1's output (for GELU's gradient), GELU's output (for fc2's weight gradient) and the
+# gradient of GELU's output; and then the gradient of fc1's output beside the first and the
+# third. On a recomputed transformer or ConvNeXt block that moment is the step's peak.
+# _LeanMlp keeps fc1's input and output from forward (not GELU's output); its backward rebuilds
+# GELU's output, takes fc2's weight gradient from it and frees it before fc2's input gradient
+# exists, then writes GELU's gradient over that input gradient in place: two hidden-size
+# tensors at most, for one GELU recomputed. Invariant: every value is made by the operator
+# autograd itself uses for F.linear on a contiguous input with a bias (an addmm on the input
+# flattened to rows, whose backward is grad.mm(weight), grad.t().mm(input) and a sum over
+# rows), on the same shapes and layouts, so outputs and gradients equal the plain MLP's bit for
+# bit. Under autocast the five tensors are cast to its dtype first, as autocast casts them for
+# each linear (GELU is on none of its lists). Anything else (a strided input, a tensor
+# subclass, active dropout between GELU and fc2) runs the module's own forward, and
+# lean_mlp_forward says why.
+
+
+class _LeanMlp(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        w1: torch.Tensor,
+        b1: torch.Tensor,
+        w2: torch.Tensor,
+        b2: torch.Tensor,
+        approximate: str,
+    ) -> torch.Tensor:
+        hidden = F.linear(x, w1, b1)
+        out = F.linear(F.gelu(hidden, approximate=approximate), w2, b2)
+        ctx.save_for_backward(x, hidden, w1, w2)
+        ctx.approximate = approximate
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, hidden, w1, w2 = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad = grad.reshape(-1, grad.shape[-1])
+        hidden = hidden.view(-1, hidden.shape[-1])
+        act = F.gelu(hidden, approximate=ctx.approximate)
+        grad_w2 = grad.t().mm(act) if need[3] else None
+        del act  # before the gradient of fc2's input exists (NOTE [ Lean MLP ])
+        grad_b2 = grad.sum(0) if need[4] else None
+        grad_hidden = grad.mm(w2)
+        del grad
+        torch.ops.aten.gelu_backward.grad_input(
+            grad_hidden, hidden, approximate=ctx.approximate, grad_input=grad_hidden
+        )
+        del hidden
+        grad_w1 = grad_hidden.t().mm(x.reshape(-1, x.shape[-1])) if need[1] else None
+        grad_b1 = grad_hidden.sum(0) if need[2] else None
+        grad_x = grad_hidden.mm(w1).view(x.shape) if need[0] else None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+
+
+def _gelu_approximation(act: nn.Module) -> str | None:
+    """``none`` or ``tanh`` for a GELU module whose forward is exactly ``F.gelu``, else ``None``."""
+    if type(act) is nn.GELU:
+        return act.approximate
+    try:
+        from timm.layers import activations
+    except ImportError:  # pragma: no cover - timm is a dependency
+        return None
+    return {activations.GELU: "none", activations.GELUTanh: "tanh"}.get(type(act))
+
+
+def lean_mlp_problem(module: nn.Module) -> str | None:
+    """Why ``module`` cannot run as a lean MLP, or ``None`` when it can: it must be a timm
+    ``Mlp`` (its own forward) with linear ``fc1``/``fc2`` with biases, a GELU ``act``, an
+    identity ``norm`` and no dropout between them (``drop1``).
+
+    >>> from timm.layers import Mlp
+    >>> lean_mlp_problem(Mlp(8, 32)) is None
+    True
+    >>> lean_mlp_problem(nn.Linear(8, 8))
+    'it is a Linear, not a timm Mlp (fc1 -> act -> drop1 -> norm -> fc2 -> drop2)'
+    """
+    try:
+        from timm.layers import Mlp
+    except ImportError:  # pragma: no cover - timm is a dependency
+        Mlp = None
+    if Mlp is None or not isinstance(module, Mlp) or type(module).forward is not Mlp.forward:
+        return (
+            f"it is a {type(module).__name__}, not a timm Mlp "
+            "(fc1 -> act -> drop1 -> norm -> fc2 -> drop2)"
+        )
+    for part in ("fc1", "fc2"):
+        layer = getattr(module, part)
+        if type(layer) is not nn.Linear:
+            return f"its {part} is a {type(layer).__name__}, not an nn.Linear (use_conv=False)"
+        if layer.bias is None:
+            return f"its {part} has no bias"
+    if _gelu_approximation(module.act) is None:
+        return f"its act is a {type(module.act).__name__}, not a GELU"
+    if type(module.norm) is not nn.Identity:
+        return f"its norm is a {type(module.norm).__name__}, not an Identity"
+    drop1 = module.drop1
+    if not isinstance(drop1, (nn.Dropout, nn.Identity)):
+        return f"its drop1 is a {type(drop1).__name__}, not a Dropout"
+    if isinstance(drop1, nn.Dropout) and drop1.p > 0:
+        return f"its drop1 drops (p={drop1.p}) between GELU and fc2"
+    return None
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, nn.Parameter)
+
+
+def lean_mlp_forward(module: nn.Module, x: Any) -> tuple[torch.Tensor | None, str]:
+    """``module(x)`` for a module :func:`lean_mlp_problem` accepts, with the lean backward
+    (NOTE [ Lean MLP ]); or ``(None, why)`` when this call must run the module's own forward.
+
+    >>> import torch
+    >>> from timm.layers import Mlp
+    >>> mlp = Mlp(8, 32)
+    >>> x = torch.randn(2, 5, 8, requires_grad=True)
+    >>> out, _ = lean_mlp_forward(mlp, x)
+    >>> torch.equal(out, mlp(x))
+    True
+    """
+    fc1, fc2, drop1 = module.fc1, module.fc2, module.drop1
+    tensors = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return None, "its input is not a floating-point tensor"
+    if not all(_plain(t) for t in tensors):
+        return None, "a tensor subclass (DTensor, a fake or functional tensor) is involved"
+    if x.dim() < 2 or not x.is_contiguous():
+        return None, "its input is not a contiguous tensor of two or more dimensions"
+    if len({(t.dtype, t.device) for t in tensors}) > 1:
+        return None, "its input and parameters differ in dtype or device"
+    if isinstance(drop1, nn.Dropout) and drop1.p > 0 and drop1.training:
+        return None, f"its drop1 drops (p={drop1.p}) in training mode"
+    if torch.compiler.is_compiling():
+        return None, "it is being compiled"
+    approximate = _gelu_approximation(module.act)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        # autocast would cast the five tensors for each linear: cast them once here, where
+        # autograd records the casts as it does under autocast (NOTE [ Lean MLP ])
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            out = _LeanMlp.apply(*(t.to(dtype) for t in tensors), approximate)
+    else:
+        out = _LeanMlp.apply(*tensors, approximate)
+    return module.drop2(out), ""
