@@ -258,6 +258,19 @@ def test_candidates_include_the_blocks_of_stages_a_preset_keeps_selective() -> N
     assert [c["name"] for c in result.candidates] == ["conv_stem", *blocks, "bn2"]
 
 
+def test_a_lean_mlp_is_neither_a_block_nor_a_part_to_nest() -> None:
+    """ConvNeXt's preset makes every MLP lean (not a region): the planner's blocks stay the
+    ConvNeXt blocks, and without a region inside them they offer no nested strategy."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_convnext", pretrained=False, num_classes=4).train()
+    result = plan_for_budget(model, torch.randn(2, 3, 32, 32), "1GiB", batch_size=2)
+    blocks = [c for c in result.candidates if ".blocks." in c["name"]]
+    assert blocks and not any(c["name"].endswith(".mlp") for c in result.candidates)
+    assert all(set(c["options"]) == {"keep", "selective", "full"} for c in blocks)
+
+
 def test_candidates_are_a_maxvit_block_not_its_parts() -> None:
     """A MaxViT block holds two attention parts of one class: it is still one block, unlike a
     stage that holds numbered blocks (ResNet's layer1 from level 3)."""

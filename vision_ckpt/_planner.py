@@ -136,7 +136,7 @@ def _candidate_blocks(plan: Any) -> list[Any]:
                 # whole from level 2 on: a block of a preset that recomputes its memory-dense
                 # blocks first (ResNet's layer1-2), one of level 3's blocks
                 by_level.setdefault(3, []).append(entry)
-        if not entry.rungs:
+        if not entry.rungs and entry.lean is None:  # a lean MLP alone is not a block
             by_level.setdefault(int(entry.level), []).append(entry)
     for level in (3, 2, 4, 1, 5):
         entries = by_level.get(level, [])
@@ -485,7 +485,9 @@ def _measure_menus(
         if (end := e.through) is not None
     }
     entries = list(full_plan.entries)
-    inner_of = {n: [e.name for e in entries if e.name.startswith(n + ".")] for n in names}
+    inner_of = {  # the regions inside each block (a lean MLP alone is none)
+        n: [e.name for e in entries if e.name.startswith(n + ".") and e.rungs] for n in names
+    }
     inner_all = [i for n in names for i in inner_of[n]]
     uniform = {
         s: _strategy_config(base_config, entries, dict.fromkeys(names, s), inner_of)
