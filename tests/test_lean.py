@@ -6,16 +6,18 @@ every level, alone and inside full and selective regions; memory is counted in b
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
 import timm
 import torch
+import torch.nn.utils.prune
 from timm.layers import Mlp
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt import ConfigError
+from vision_ckpt import CheckpointError, ConfigError
 from vision_ckpt._memory import track_peak_memory
 
 LEAN = {"match": "blocks.*.mlp", "level": 1, "strategy": "lean"}
@@ -160,11 +162,10 @@ def test_an_mlp_with_dropout_inside_is_an_error_for_a_rule_and_left_out_by_a_pre
     model = _vit(proj_drop_rate=0.1)
     with pytest.raises(ConfigError, match=r"its drop1 drops \(p=0.1\) between GELU and fc2"):
         vision_ckpt.plan(model, {"training_checkpoint_level": 1, "rules": [LEAN]})
-    plan = vision_ckpt.plan(model, {"training_checkpoint_level": 1, "preset": "auto"})
+    plan = vision_ckpt.plan(model, {"training_checkpoint_level": 5, "preset": "auto"})
     assert plan["blocks.0.mlp"].lean is None
-    assert _vit().blocks and vision_ckpt.plan(
-        _vit(), {"training_checkpoint_level": 1, "preset": "auto"}
-    )["blocks.0.mlp"].lean_at(1)
+    plan = vision_ckpt.plan(_vit(), {"training_checkpoint_level": 5, "preset": "auto"})
+    assert plan["blocks.0.mlp"].lean_at(5) and not plan["blocks.0.mlp"].lean_at(4)
 
 
 def test_a_call_lean_cannot_take_warns_once_and_stays_exact(assert_exact):
@@ -181,3 +182,108 @@ def test_a_call_lean_cannot_take_warns_once_and_stays_exact(assert_exact):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _step(model, x)
+
+
+def _sequential_mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(Mlp(8, 32)).train(), torch.randn(2, 5, 8, requires_grad=True)
+
+
+def _lean(model: nn.Module) -> nn.Module:
+    vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [LEAN | {"match": "0"}]})
+    return model
+
+
+def test_a_second_derivative_is_an_error_that_says_how_to_opt_out():
+    """A gradient penalty differentiates the MLP's backward, which lean takes in place."""
+    plain, x = _sequential_mlp()
+    lean = _lean(copy.deepcopy(plain))
+    with pytest.raises(CheckpointError, match=r"create_graph=True.*'level': 0, 'strategy'"):
+        torch.autograd.grad(lean(x).square().sum(), x, create_graph=True)
+    vision_ckpt.apply(
+        lean, {"training_checkpoint_level": 1, "rules": [LEAN | {"match": "0", "level": 0}]}
+    )
+    (gx,) = torch.autograd.grad(lean(x).square().sum(), x, create_graph=True)
+    gx.square().sum().backward()
+
+
+def test_torch_func_transforms_run_the_mlps_own_forward(assert_exact):
+    plain, x = _sequential_mlp()
+    lean = _lean(copy.deepcopy(plain))
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+
+    def loss(m):
+        return lambda p: torch.func.functional_call(m, p, (x,)).sum()
+
+    want = torch.func.grad(loss(plain))(params)
+    with pytest.warns(UserWarning, match=r"runs its own forward.*torch\.func transform"):
+        got = torch.func.grad(loss(lean))(params)
+    for k in want:
+        assert_exact(got[k], want[k], k)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda m: setattr(
+                m[0].fc1, "weight", nn.Parameter(m[0].fc1.weight.t().contiguous().t())
+            ),
+            "a weight is not contiguous",
+        ),
+        (lambda m: setattr(m[0], "act", nn.ReLU()), "its act is a ReLU, not a GELU"),
+        (
+            lambda m: torch.nn.utils.prune.l1_unstructured(m[0].fc1, "weight", 0.5),
+            r"its fc1 has hooks \(pruning",
+        ),
+    ],
+    ids=["transposed weight", "activation swapped", "pruned"],
+)
+def test_a_module_changed_after_planning_runs_its_own_forward(change, message, assert_exact):
+    plain, x = _sequential_mlp()
+    lean = _lean(copy.deepcopy(plain))
+    change(plain)
+    change(lean)
+    for _ in range(2):  # two training steps: pruning's hook rebuilds the weight each time
+        want = _step(plain, x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = _step(lean, x)
+        _assert_same(got, want, assert_exact, "after the change")
+    assert any(re.search(message, str(w.message)) for w in caught) or lean[0].forward.lean.warned
+
+
+def test_a_rule_on_an_mlp_with_hooks_is_an_error():
+    model = _vit()
+    model.blocks[1].mlp.fc2.register_forward_hook(lambda *a: None)
+    with pytest.raises(ConfigError, match=r"makes 'blocks.1.mlp' lean, but its fc2 has hooks"):
+        vision_ckpt.plan(model, {"training_checkpoint_level": 1, "rules": [LEAN]})
+
+
+def test_a_level_0_lean_rule_takes_away_the_lean_level_only():
+    opt_out = {"match": "blocks.*.mlp", "level": 0, "strategy": "lean"}
+    plan = vision_ckpt.plan(
+        _vit(), {"training_checkpoint_level": 2, "preset": "auto", "rules": [opt_out]}
+    )
+    entry = plan["blocks.0.mlp"]
+    assert entry.lean is None and entry.checkpointed and str(entry.rungs[0]) == "full 2"
+
+
+def test_a_lean_mlp_in_a_run_is_an_error():
+    run = {"match": "blocks.*.norm2", "level": 2, "through": "mlp"}
+    with pytest.raises(ConfigError, match=r"makes 'blocks.0.mlp' lean, and rules\[1\].*runs it"):
+        vision_ckpt.plan(_vit(), {"training_checkpoint_level": 2, "rules": [LEAN, run]})
+
+
+def test_autocast_with_a_low_precision_input_stays_lean_and_exact(assert_exact):
+    plain, x = _sequential_mlp()
+    lean = _lean(copy.deepcopy(plain))
+    results = []
+    for m in (plain, lean):
+        xi = x.detach().bfloat16().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = m(xi)
+        out.float().sum().backward()
+        results.append((out.detach(), [xi.grad, *(p.grad for p in m.parameters())]))
+    _assert_same(results[1], results[0], assert_exact, "with a bf16 input under autocast")

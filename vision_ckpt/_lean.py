@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import CheckpointError
+
 __all__ = ["lean_mlp_problem", "lean_mlp_forward"]
 
 # NOTE [ Lean MLP ]
@@ -26,9 +28,11 @@ __all__ = ["lean_mlp_problem", "lean_mlp_forward"]
 # flattened to rows, whose backward is grad.mm(weight), grad.t().mm(input) and a sum over
 # rows), on the same shapes and layouts, so outputs and gradients equal the plain MLP's bit for
 # bit. Under autocast the five tensors are cast to its dtype first, as autocast casts them for
-# each linear (GELU is on none of its lists). Anything else (a strided input, a tensor
-# subclass, active dropout between GELU and fc2) runs the module's own forward, and
-# lean_mlp_forward says why.
+# each linear (GELU is on none of its lists). A second derivative (create_graph=True) is an
+# error: this backward is not differentiable, and the plain graph's second derivatives, rebuilt,
+# would be summed in another order. Anything else (a strided input or weight, a tensor
+# subclass or torch.func transform, dropout between GELU and fc2, hooks on the layers, a module
+# changed since planning) runs the module's own forward, and lean_mlp_forward says why.
 
 
 class _LeanMlp(torch.autograd.Function):
@@ -52,6 +56,13 @@ class _LeanMlp(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, hidden, w1, w2 = ctx.saved_tensors
         need = ctx.needs_input_grad
+        if torch.is_grad_enabled():
+            raise CheckpointError(
+                "a lean MLP's backward ran with create_graph=True (for a second derivative, a "
+                "gradient penalty): it takes GELU's gradient in place and is not itself "
+                "differentiable. Take the lean level away for such training, with a "
+                "rule {'match': '<the MLPs>', 'level': 0, 'strategy': 'lean'} after the preset."
+            )
         grad = grad.reshape(-1, grad.shape[-1])
         hidden = hidden.view(-1, hidden.shape[-1])
         act = F.gelu(hidden, approximate=ctx.approximate)
@@ -116,11 +127,28 @@ def lean_mlp_problem(module: nn.Module) -> str | None:
         return f"its drop1 is a {type(drop1).__name__}, not a Dropout"
     if isinstance(drop1, nn.Dropout) and drop1.p > 0:
         return f"its drop1 drops (p={drop1.p}) between GELU and fc2"
+    for part in ("fc1", "act", "drop1", "norm", "fc2"):
+        child = getattr(module, part)
+        if (
+            child._forward_hooks
+            or child._forward_pre_hooks
+            or child._backward_hooks
+            or child._backward_pre_hooks
+        ):
+            return (
+                f"its {part} has hooks (pruning, weight_norm, a user's), which a lean MLP, "
+                "computing its layers itself, would not run"
+            )
     return None
 
 
 def _plain(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter)
+
+
+def _functorch_running() -> bool:
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 def lean_mlp_forward(module: nn.Module, x: Any) -> tuple[torch.Tensor | None, str]:
@@ -135,22 +163,31 @@ def lean_mlp_forward(module: nn.Module, x: Any) -> tuple[torch.Tensor | None, st
     >>> torch.equal(out, mlp(x))
     True
     """
-    fc1, fc2, drop1 = module.fc1, module.fc2, module.drop1
+    problem = lean_mlp_problem(module)  # the module may have changed since it was planned
+    if problem is not None:
+        return None, problem
+    fc1, fc2 = module.fc1, module.fc2
     tensors = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return None, "its input is not a floating-point tensor"
-    if not all(_plain(t) for t in tensors):
-        return None, "a tensor subclass (DTensor, a fake or functional tensor) is involved"
+    if not all(_plain(t) for t in tensors) or _functorch_running():
+        return None, "a tensor subclass or a torch.func transform (DTensor, vmap, grad) is involved"
     if x.dim() < 2 or not x.is_contiguous():
         return None, "its input is not a contiguous tensor of two or more dimensions"
-    if len({(t.dtype, t.device) for t in tensors}) > 1:
-        return None, "its input and parameters differ in dtype or device"
-    if isinstance(drop1, nn.Dropout) and drop1.p > 0 and drop1.training:
-        return None, f"its drop1 drops (p={drop1.p}) in training mode"
+    if not (fc1.weight.is_contiguous() and fc2.weight.is_contiguous()):
+        # autograd picks another product for a column-major weight (a transposed, tied one)
+        return None, "a weight is not contiguous"
+    device = x.device.type
+    if len({t.device for t in tensors}) > 1:
+        return None, "its input and parameters are on different devices"
+    if torch.is_autocast_enabled(device):
+        if any(t.dtype == torch.float64 for t in tensors):
+            return None, "autocast leaves a float64 tensor as it is"
+    elif len({t.dtype for t in tensors}) > 1:
+        return None, "its input and parameters differ in dtype"
     if torch.compiler.is_compiling():
         return None, "it is being compiled"
     approximate = _gelu_approximation(module.act)
-    device = x.device.type
     if torch.is_autocast_enabled(device):
         # autocast would cast the five tensors for each linear: cast them once here, where
         # autograd records the casts as it does under autocast (NOTE [ Lean MLP ])

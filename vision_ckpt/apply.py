@@ -379,7 +379,13 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
             for name in callable_hits:
                 run_members(model, name, rule.through, f"{origin} ({rule})")
         for name in callable_hits:
-            if rule.level == 0:
+            if rule.level == 0 and rule.strategy == "lean":  # takes the lean level away only
+                ways = decided.get(name, {})
+                for other in [k for k, (r, _) in ways.items() if r.strategy == "lean"]:
+                    del ways[other]
+                if not ways:
+                    decided[name] = {("none",): (rule, origin)}
+            elif rule.level == 0:
                 decided[name] = {("none",): (rule, origin)}
             else:
                 ways = decided.setdefault(name, {})
@@ -397,7 +403,7 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
                 ways[key] = (rule, origin)
 
     _check_runs(model, decided)
-    _check_lean(decided)
+    _check_lean(model, decided)
     pinned = cfg.training_checkpoint_level
     level = pinned if pinned is not None else get_training_level()
     entries = _holds_several(
@@ -650,9 +656,24 @@ def _lean_hits(
     return kept
 
 
-def _check_lean(decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]) -> None:
-    """A lean module's forward calls none of its children's: none may have a rule."""
+def _check_lean(
+    model: nn.Module, decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]
+) -> None:
+    """A lean module's forward calls none of its children's: none may have a rule; and it is
+    no member of a run (a run calls its members' own forwards)."""
     lean = {n: ways for n, ways in decided.items() if any(k[0] == "lean" for k in ways)}
+    for name, ways in decided.items():
+        for key, (rule, origin) in ways.items():
+            if len(key) != 4 or not key[-1]:
+                continue
+            members = run_members(model, name, key[-1], f"{origin} ({rule})")
+            for member in (m for m in members if m in lean):
+                r, o = next(v for k, v in lean[member].items() if k[0] == "lean")
+                raise ConfigError(
+                    f"{o} ({r}) makes {member!r} lean, and {origin} ({rule}) runs it with its "
+                    "siblings as one region; a run calls its members' own forwards. Drop the "
+                    "lean rule for it (a level-0 rule with strategy 'lean'), or the run."
+                )
     for name, ways in lean.items():
         inner = [n for n in decided if _is_ancestor(name, n) and ("none",) not in decided[n]]
         if inner:

@@ -231,7 +231,8 @@ class LevelRule(_Schema):
     level: LevelValue
     """The level 0-5 (or its name, such as ``stage``) at which the selected modules start to be
     checkpointed with this rule's ``strategy``. 0 means never checkpoint them in any way, which
-    is how a later rule excludes a module an earlier rule selected. (This is the one field
+    is how a later rule excludes a module an earlier rule selected (with strategy ``lean``, 0
+    takes away only the lean level). (This is the one field
     without a default: a rule without a level says nothing.)"""
 
     strategy: Strategy = "full"
