@@ -183,7 +183,11 @@ def _make_variants(
             level = int(v[1])
             nesting = "all" if v.endswith("all") else "auto"
             plan = vision_ckpt.apply_preset(m, level, nesting=nesting)
-            key = (nesting, *((n, str(plan[n].rung_at(level))) for n in plan.checkpointed))
+            key = (
+                nesting,
+                *((n, str(plan[n].rung_at(level))) for n in plan.checkpointed),
+                *(e.name for e in plan.entries if e.lean_at(level)),  # lean MLPs, no regions
+            )
             same = plans.setdefault(key, v)
             out.append(_Variant(v, m, len(plan.checkpointed), None, "" if same == v else same))
         else:
