@@ -44,12 +44,6 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
     return out.detach(), [p.grad for p in model.parameters()]
 
 
-def _assert_same(got, want, assert_exact, where: str) -> None:
-    assert_exact(got[0], want[0], f"output {where}")
-    for i, (g, w) in enumerate(zip(got[1], want[1], strict=True)):
-        assert_exact(g, w, f"gradient {i} {where}")
-
-
 @pytest.mark.parametrize("base", [2, 3, 4])
 def test_lean_mlps_are_exact_alone_and_inside_full_and_selective_regions(base, assert_exact):
     """Base levels: 2 makes the MLPs full regions, 3 the layers (the lean MLP inside a
@@ -66,7 +60,7 @@ def test_lean_mlps_are_exact_alone_and_inside_full_and_selective_regions(base, a
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # every lean MLP takes the lean path
             got = _step(applied, x)
-        _assert_same(got, reference, assert_exact, f"at level {level}")
+        assert_exact(got, reference, f"at level {level}")
 
 
 def test_lean_mlp_is_exact_under_cpu_autocast(assert_exact):
@@ -79,7 +73,7 @@ def test_lean_mlp_is_exact_under_cpu_autocast(assert_exact):
             warnings.simplefilter("error")
             results.append(_step(m, x))
     assert results[0][0].dtype == torch.bfloat16
-    _assert_same(results[1], results[0], assert_exact, "under autocast")
+    assert_exact(results[1], results[0], "under autocast")
 
 
 def _backward_peak(mlp: nn.Module, x: torch.Tensor) -> tuple[int, int]:
@@ -178,7 +172,7 @@ def test_a_call_lean_cannot_take_warns_once_and_stays_exact(assert_exact):
     want = _step(reference, x)
     with pytest.warns(UserWarning, match=r"'blocks.0.mlp' runs its own forward.*p=0.2"):
         got = _step(model, x)
-    _assert_same(got, want, assert_exact, "with dropout switched on")
+    assert_exact(got, want, "with dropout switched on")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _step(model, x)
@@ -218,8 +212,7 @@ def test_torch_func_transforms_run_the_mlps_own_forward(assert_exact):
     want = torch.func.grad(loss(plain))(params)
     with pytest.warns(UserWarning, match=r"runs its own forward.*torch\.func transform"):
         got = torch.func.grad(loss(lean))(params)
-    for k in want:
-        assert_exact(got[k], want[k], k)
+    assert_exact(got, want, "gradients under torch.func.grad")
 
 
 @pytest.mark.parametrize(
@@ -249,7 +242,7 @@ def test_a_module_changed_after_planning_runs_its_own_forward(change, message, a
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = _step(lean, x)
-        _assert_same(got, want, assert_exact, "after the change")
+        assert_exact(got, want, "after the change")
     assert any(re.search(message, str(w.message)) for w in caught) or lean[0].forward.lean.warned
 
 
@@ -286,4 +279,4 @@ def test_autocast_with_a_low_precision_input_stays_lean_and_exact(assert_exact):
             out = m(xi)
         out.float().sum().backward()
         results.append((out.detach(), [xi.grad, *(p.grad for p in m.parameters())]))
-    _assert_same(results[1], results[0], assert_exact, "with a bf16 input under autocast")
+    assert_exact(results[1], results[0], "with a bf16 input under autocast")

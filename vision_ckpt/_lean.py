@@ -180,7 +180,8 @@ def lean_mlp_forward(module: nn.Module, x: Any) -> tuple[torch.Tensor | None, st
     device = x.device.type
     if len({t.device for t in tensors}) > 1:
         return None, "its input and parameters are on different devices"
-    if torch.is_autocast_enabled(device):
+    autocast = torch.is_autocast_enabled(device)
+    if autocast:
         if any(t.dtype == torch.float64 for t in tensors):
             return None, "autocast leaves a float64 tensor as it is"
     elif len({t.dtype for t in tensors}) > 1:
@@ -188,7 +189,7 @@ def lean_mlp_forward(module: nn.Module, x: Any) -> tuple[torch.Tensor | None, st
     if torch.compiler.is_compiling():
         return None, "it is being compiled"
     approximate = _gelu_approximation(module.act)
-    if torch.is_autocast_enabled(device):
+    if autocast:
         # autocast would cast the five tensors for each linear: cast them once here, where
         # autograd records the casts as it does under autocast (NOTE [ Lean MLP ])
         dtype = torch.get_autocast_dtype(device)

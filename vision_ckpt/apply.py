@@ -403,7 +403,7 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
                 ways[key] = (rule, origin)
 
     _check_runs(model, decided)
-    _check_lean(model, decided)
+    _check_lean(decided)
     pinned = cfg.training_checkpoint_level
     level = pinned if pinned is not None else get_training_level()
     entries = _holds_several(
@@ -594,9 +594,10 @@ def run_members(model: nn.Module, name: str, through: str, origin: str) -> list[
 def _check_runs(
     model: nn.Module, decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]
 ) -> None:
-    """A module is the first of at most one run, and a later member of a run has no level of
-    its own from the run's level on (its forward belongs to the run there) and neither a run
-    nor segments below it (NOTE [ Runs take over ])."""
+    """A module is the first of at most one run, no member of a run is lean (a run calls its
+    members' own forwards), and a later member of a run has no level of its own from the run's
+    level on (its forward belongs to the run there) and neither a run nor segments below it
+    (NOTE [ Runs take over ])."""
     for name, ways in decided.items():
         runs = {
             k[-1]: (rule, origin) for k, (rule, origin) in ways.items() if len(k) == 4 and k[-1]
@@ -608,7 +609,18 @@ def _check_runs(
                 "starts at most one run. Keep one of these rules, or give them one 'through'."
             )
         for through, (rule, origin) in runs.items():
-            for member in run_members(model, name, through, f"{origin} ({rule})")[1:]:
+            members = run_members(model, name, through, f"{origin} ({rule})")
+            for member in members:
+                lean = [v for k, v in decided.get(member, {}).items() if k[0] == "lean"]
+                if lean:
+                    r, o = lean[0]
+                    raise ConfigError(
+                        f"{o} ({r}) makes {member!r} lean, and {origin} ({rule}) runs it with "
+                        "its siblings as one region; a run calls its members' own forwards. "
+                        "Drop the lean rule for it (a level-0 rule with strategy 'lean'), or "
+                        "the run."
+                    )
+            for member in members[1:]:
                 own = decided.get(member, {})
                 # below the run's level a member may be a region alone (NOTE [ Runs take
                 # over ]), but neither another run nor a stack of segments
@@ -656,24 +668,10 @@ def _lean_hits(
     return kept
 
 
-def _check_lean(
-    model: nn.Module, decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]
-) -> None:
-    """A lean module's forward calls none of its children's: none may have a rule; and it is
-    no member of a run (a run calls its members' own forwards)."""
+def _check_lean(decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]) -> None:
+    """A lean module's forward calls none of its children's: none may have a rule (a lean
+    member of a run: ``_check_runs``)."""
     lean = {n: ways for n, ways in decided.items() if any(k[0] == "lean" for k in ways)}
-    for name, ways in decided.items():
-        for key, (rule, origin) in ways.items():
-            if len(key) != 4 or not key[-1]:
-                continue
-            members = run_members(model, name, key[-1], f"{origin} ({rule})")
-            for member in (m for m in members if m in lean):
-                r, o = next(v for k, v in lean[member].items() if k[0] == "lean")
-                raise ConfigError(
-                    f"{o} ({r}) makes {member!r} lean, and {origin} ({rule}) runs it with its "
-                    "siblings as one region; a run calls its members' own forwards. Drop the "
-                    "lean rule for it (a level-0 rule with strategy 'lean'), or the run."
-                )
     for name, ways in lean.items():
         inner = [n for n in decided if _is_ancestor(name, n) and ("none",) not in decided[n]]
         if inner:

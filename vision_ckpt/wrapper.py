@@ -382,10 +382,7 @@ def lean_now(policy: Policy) -> bool:
     """Whether a module with ``policy`` runs its lean forward now: at the training level the
     regions see (NOTE [ The training level seen by recomputation ]), so that a recomputation
     runs the forward its first call ran."""
-    if policy.lean is None:
-        return False
-    pinned = policy.training_level
-    return is_checkpointed(policy.lean, _ambient_level() if pinned is None else pinned)
+    return policy.lean is not None and is_checkpointed(policy.lean, _policy_level(policy))
 
 
 RungT = TypeVar("RungT")
@@ -413,9 +410,7 @@ def choose_rung(policy: Policy) -> Rung | None:
     level seen by recomputation ] and NOTE [ Nesting ].
     """
     region = _region
-    ambient = _ambient_level()
-    pinned = policy.training_level
-    chosen = rung_within(policy.rungs, ambient if pinned is None else pinned)
+    chosen = rung_within(policy.rungs, _policy_level(policy))
     if chosen is None or _core.region_depth() == 0:
         return chosen
     nesting = policy.nesting
@@ -433,12 +428,16 @@ def _ambient_level() -> Level:
     return _training_level if ambient is None else ambient
 
 
+def _policy_level(policy: Policy) -> Level:
+    """The training level ``policy`` decides by now: its pinned one, else the ambient one."""
+    pinned = policy.training_level
+    return _ambient_level() if pinned is None else pinned
+
+
 def _run_context(policy: Policy, rung: Rung) -> tuple[Level, bool]:
     """The ambient level a region checkpointed with ``rung`` runs under, and whether it is a
     group at the level that chose it (NOTE [ Nesting ])."""
-    ambient = _ambient_level()
-    pinned = policy.training_level
-    return ambient, rung.group or int(ambient if pinned is None else pinned) in policy.holds_several
+    return _ambient_level(), rung.group or int(_policy_level(policy)) in policy.holds_several
 
 
 def run_policy(
