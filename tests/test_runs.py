@@ -389,3 +389,74 @@ def test_a_run_takes_over_a_members_finer_region_from_its_level(
         assert ops.counts["convolution"] == 1 and ops.counts["max_pool2d_with_indices"] == 1
     vision_ckpt.remove(model)
     assert type(model.bn).forward is nn.BatchNorm2d.forward and "forward" not in vars(model.bn)
+
+
+class _Gate(nn.Module):
+    """A layer called with keyword arguments, as timm's ``Attention`` is
+    (``attn_mask=None, is_causal=False``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0
+    ) -> torch.Tensor:
+        y = F.gelu(self.fc(x)) * scale
+        return y if mask is None else y * mask
+
+
+class _KeywordBlock(nn.Module):
+    def __init__(self, mask: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.gate = _Gate()
+        self.drop = nn.Dropout(0.2)
+        self.mask = torch.ones(8) if mask else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.gate(self.norm(x), mask=self.mask, scale=0.5))
+
+
+def test_constant_keyword_arguments_join_the_run(assert_exact, saved_bytes) -> None:
+    torch.manual_seed(0)
+    plain = _KeywordBlock()
+    model = copy.deepcopy(plain)
+    vision_ckpt.apply(
+        model,
+        {
+            "training_checkpoint_level": 1,
+            "rules": [{"match": "norm", "through": "drop", "level": 1}],
+        },
+    )
+    x = torch.randn(4, 6, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the run does not end early
+        got = _step(model, x)
+        with saved_bytes() as ran:
+            model(x)
+    ref = _step(plain, x.detach().clone().requires_grad_())
+    assert_exact(got, ref)
+    assert ran.nbytes == x.numel() * x.element_size()  # the run's input, and nothing else
+
+
+def test_a_tensor_keyword_argument_ends_the_run_and_names_the_argument(assert_exact) -> None:
+    torch.manual_seed(0)
+    plain = _KeywordBlock(mask=True)
+    model = copy.deepcopy(plain)
+    vision_ckpt.apply(
+        model,
+        {
+            "training_checkpoint_level": 1,
+            "rules": [{"match": "norm", "through": "drop", "level": 1}],
+        },
+    )
+    x = torch.randn(4, 6, 8, requires_grad=True)
+    with pytest.warns(
+        UserWarning,
+        match=r"ended after 'norm': 'gate' was called with keyword arguments \['mask'\] that "
+        r"the run cannot pass again",
+    ):
+        got = _step(model, x)
+    ref = _step(plain, x.detach().clone().requires_grad_())
+    assert_exact(got, ref)

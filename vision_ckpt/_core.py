@@ -1082,8 +1082,9 @@ def checkpoint_sequential(
 #
 # Invariants (the caller, the install layer, checks the first two before every ``run``):
 #   1. each call after the first receives the previous call's output, the very tensor object,
-#      unmodified since (same version), and nothing else: so replaying the calls in order
-#      reproduces every tensor the region saved;
+#      unmodified since (same version), and no other tensor: so replaying the calls in order
+#      reproduces every tensor the region saved (keyword arguments that hold no tensor, such
+#      as ``attn_mask=None``, are bound into the call and passed again by the replay);
 #   2. every call runs in the context of the first (``same_context``): grad mode on, the same
 #      autocast state, and the same saved-tensor hooks below the region's own, i.e. inside the
 #      same enclosing region. The replay runs all calls in the first one's context; a call

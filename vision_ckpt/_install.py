@@ -8,6 +8,7 @@ whether to run the module's own forward through the checkpoint core.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 import weakref
@@ -150,6 +151,26 @@ class CheckpointedForward:
         )
 
 
+_CONSTANT_TYPES = (type(None), bool, int, float, str)
+
+
+def _constants(kwargs: dict[str, Any]) -> bool:
+    """Whether keyword arguments hold only immutable non-tensor values, which a run's replay
+    may pass again as they were (``attn_mask=None, is_causal=False``)."""
+    return all(isinstance(value, _CONSTANT_TYPES) for value in kwargs.values())
+
+
+def _extra_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """What keeps a call from joining a run, for its warning."""
+    if len(args) != 1:
+        return f"{len(args)} positional arguments, not only the previous member's output"
+    names = [key for key, value in kwargs.items() if not isinstance(value, _CONSTANT_TYPES)]
+    return (
+        f"keyword arguments {names} that the run cannot pass again (only None, bool, int, "
+        "float and str values join a run)"
+    )
+
+
 class _OpenRuns(threading.local):
     def __init__(self) -> None:
         # id(Chain) -> (the open run, index of the module expected next, weak reference to
@@ -242,15 +263,20 @@ class ChainedForward(CheckpointedForward):
         return self._run_under(self.own, False, args, kwargs)  # no segments: _check_runs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        run, chain = self.run, self.chain
-        one = args[0] if len(args) == 1 and not kwargs else None
+        chain = self.chain
+        one = args[0] if len(args) == 1 and _constants(kwargs) else None
+        # keyword arguments without tensors are bound into the call the replay repeats
+        run: Callable[[Any], Any] = functools.partial(self.run, **kwargs) if kwargs else self.run
         if self.index == 0:
             chain.close()  # a run the parent left unfinished (another branch, an exception)
-            if not self.policy.rungs or not run.module.training or not torch.is_grad_enabled():
-                return run(*args, **kwargs)
+            module = self.run.module
+            if not self.policy.rungs or not module.training or not torch.is_grad_enabled():
+                return self.run(*args, **kwargs)
             call = ChainCall.open(self.policy, chain.modules(), chain.label, one)
             if call is None:
-                return run_policy(self.policy, run, args, kwargs, module=run.module, label=run.name)
+                return run_policy(
+                    self.policy, self.run, args, kwargs, module=module, label=self.run.name
+                )
             out = call.run(run, one)
             chain.expect(call, 1, out)
             return out
@@ -264,8 +290,10 @@ class ChainedForward(CheckpointedForward):
             else:
                 chain.close()
         elif index != self.index:
-            chain.broken(index, f"was not called next ({run.name!r} was)")
-        elif one is None or ref() is not one:
+            chain.broken(index, f"was not called next ({self.run.name!r} was)")
+        elif one is None:
+            chain.broken(index, f"was called with {_extra_arguments(args, kwargs)}")
+        elif ref() is not one:
             chain.broken(index, "was called with something other than its output")
         elif one._version != version:
             chain.broken(index, "was called with its output after it was modified in place")
