@@ -130,16 +130,24 @@ def test_a_selective_rung_steps_aside_where_a_full_region_inside_it_starts():
     assert "selective 1-2" in str(at3)
 
 
-def test_plan_counts_the_regions_the_forward_checkpoints(core_calls) -> None:
+def test_plan_counts_the_regions_the_forward_checkpoints(core_calls, monkeypatch) -> None:
+    runs = []  # regions made of sibling calls (level 5's attention halves) open a ChainRegion
+    real_run = vision_ckpt._core.ChainRegion
+
+    def counting_run(*args, **kwargs):
+        runs.append(kwargs.get("label"))
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(vision_ckpt._core, "ChainRegion", counting_run)
     model, x = _model("vit_tiny_patch16_224")
     depth = len(model.blocks)
     for nesting in ("auto", "all", "outermost"):
         for level in range(6):
             cfg = CheckpointConfig(training_checkpoint_level=level, preset="auto", nesting=nesting)
             plan = vision_ckpt.apply(model, cfg)
-            del core_calls[:]
+            del core_calls[:], runs[:]
             out = model(x)  # forward only: the calls recomputation makes come later
-            calls = len(core_calls)
+            calls = len(core_calls) + len(runs)
             out.sum().backward()
             regions = len(plan.checkpointed)
             if level >= 4:  # the stack counts once in the plan, once per segment in the run
