@@ -8,6 +8,7 @@ import gc
 import pickle
 import warnings
 import weakref
+from typing import Any
 
 import pytest
 import timm
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt import ConfigError
+from vision_ckpt import CheckpointError, ConfigError
 from vision_ckpt._memory import track_peak_memory
 
 STEM = {"match": "conv", "level": 1, "through": "pool"}
@@ -393,42 +394,50 @@ def test_a_run_takes_over_a_members_finer_region_from_its_level(
 
 class _Gate(nn.Module):
     """A layer called with keyword arguments, as timm's ``Attention`` is
-    (``attn_mask=None, is_causal=False``)."""
+    (``attn_mask=None, is_causal=False``; EVA's also with a rotary embedding tensor)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
-    def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Any = None, scale: float = 1.0) -> torch.Tensor:
         y = F.gelu(self.fc(x)) * scale
+        if isinstance(mask, list):
+            mask = mask[0]
         return y if mask is None else y * mask
 
 
 class _KeywordBlock(nn.Module):
-    def __init__(self, mask: bool = False) -> None:
+    def __init__(self, mask: str | None = None) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(8)
         self.gate = _Gate()
         self.drop = nn.Dropout(0.2)
-        self.mask = torch.ones(8) if mask else None
+        self.scale = nn.Parameter(torch.rand(8)) if mask else None
+        self.mask = mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.gate(self.norm(x), mask=self.mask, scale=0.5))
+        mask = None if self.mask is None else self.scale * 2  # a tensor with a grad_fn
+        if self.mask == "list":
+            mask = [mask]
+        out = self.gate(self.norm(x), mask=mask, scale=0.5)
+        if self.mask == "modified":
+            mask.mul_(3)  # after the call: the replay cannot repeat it
+        return x + self.drop(out)
 
 
-def test_constant_keyword_arguments_join_the_run(assert_exact, saved_bytes) -> None:
+def _keyword_model(mask: str | None) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    plain = _KeywordBlock()
+    plain = _KeywordBlock(mask)
     model = copy.deepcopy(plain)
-    vision_ckpt.apply(
-        model,
-        {
-            "training_checkpoint_level": 1,
-            "rules": [{"match": "norm", "through": "drop", "level": 1}],
-        },
-    )
+    rule = {"match": "norm", "through": "drop", "level": 1}
+    vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [rule]})
+    return plain, model
+
+
+@pytest.mark.parametrize("mask", [None, "tensor"])
+def test_keyword_arguments_join_the_run(assert_exact, saved_bytes, mask) -> None:
+    plain, model = _keyword_model(mask)
     x = torch.randn(4, 6, 8, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the run does not end early
@@ -436,27 +445,30 @@ def test_constant_keyword_arguments_join_the_run(assert_exact, saved_bytes) -> N
         with saved_bytes() as ran:
             model(x)
     ref = _step(plain, x.detach().clone().requires_grad_())
-    assert_exact(got, ref)
-    assert ran.nbytes == x.numel() * x.element_size()  # the run's input, and nothing else
+    assert_exact(got, ref)  # the mask's gradient included: it reaches the scale parameter
+    # what the run keeps is its input; the mask is held by the run's replay, not saved
+    assert ran.nbytes == x.numel() * x.element_size()
 
 
-def test_a_tensor_keyword_argument_ends_the_run_and_names_the_argument(assert_exact) -> None:
-    torch.manual_seed(0)
-    plain = _KeywordBlock(mask=True)
-    model = copy.deepcopy(plain)
-    vision_ckpt.apply(
-        model,
-        {
-            "training_checkpoint_level": 1,
-            "rules": [{"match": "norm", "through": "drop", "level": 1}],
-        },
-    )
+def test_a_keyword_container_ends_the_run_and_names_the_argument(assert_exact) -> None:
+    plain, model = _keyword_model("list")
     x = torch.randn(4, 6, 8, requires_grad=True)
     with pytest.warns(
         UserWarning,
         match=r"ended after 'norm': 'gate' was called with keyword arguments \['mask'\] that "
-        r"the run cannot pass again",
+        r"the run cannot pass again \(only tensors and None, bool, int, float and str",
     ):
         got = _step(model, x)
     ref = _step(plain, x.detach().clone().requires_grad_())
     assert_exact(got, ref)
+
+
+def test_a_keyword_tensor_changed_before_backward_is_an_error() -> None:
+    _, model = _keyword_model("modified")
+    out = model(torch.randn(4, 6, 8))
+    with pytest.raises(
+        CheckpointError,
+        match=r"member 'gate' was called with the tensor mask=\.\.\., which was modified in "
+        r"place before backward recomputed the run.*clone it",
+    ):
+        out.sum().backward()

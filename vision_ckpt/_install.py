@@ -8,7 +8,6 @@ whether to run the module's own forward through the checkpoint core.
 
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
 import weakref
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from ._lean import lean_mlp_forward
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .wrapper import ChainCall, Policy, lean_now, run_policy, run_segments
 
 __all__ = [
@@ -151,24 +150,46 @@ class CheckpointedForward:
         )
 
 
-_CONSTANT_TYPES = (type(None), bool, int, float, str)
+_PASSABLE = (type(None), bool, int, float, str, torch.Tensor)
 
 
-def _constants(kwargs: dict[str, Any]) -> bool:
-    """Whether keyword arguments hold only immutable non-tensor values, which a run's replay
-    may pass again as they were (``attn_mask=None, is_causal=False``)."""
-    return all(isinstance(value, _CONSTANT_TYPES) for value in kwargs.values())
+def _passable(kwargs: dict[str, Any]) -> bool:
+    """Whether a run's replay may pass these keyword arguments again: immutable plain values
+    (``is_causal=False``) and tensors (a rotary embedding), not containers or objects."""
+    return all(isinstance(value, _PASSABLE) for value in kwargs.values())
 
 
 def _extra_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """What keeps a call from joining a run, for its warning."""
     if len(args) != 1:
         return f"{len(args)} positional arguments, not only the previous member's output"
-    names = [key for key, value in kwargs.items() if not isinstance(value, _CONSTANT_TYPES)]
+    names = [key for key, value in kwargs.items() if not isinstance(value, _PASSABLE)]
     return (
-        f"keyword arguments {names} that the run cannot pass again (only None, bool, int, "
-        "float and str values join a run)"
+        f"keyword arguments {names} that the run cannot pass again (only tensors and None, "
+        "bool, int, float and str values join a run)"
     )
+
+
+class _WithKeywords:
+    """A run member's call with the keyword arguments it was given, as the run's replay
+    repeats it. A tensor among them is held until the replay, and must not change before."""
+
+    __slots__ = ("fn", "kwargs", "versions", "name")
+
+    def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> None:
+        self.fn, self.kwargs, self.name = fn, kwargs, name
+        self.versions = {k: v._version for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+
+    def __call__(self, x: Any) -> Any:
+        for key, version in self.versions.items():
+            if self.kwargs[key]._version != version:
+                raise CheckpointError(
+                    f"the checkpointed run member {self.name!r} was called with the tensor "
+                    f"{key}=..., which was modified in place before backward recomputed the "
+                    "run, so the recomputation cannot repeat the call. Pass a tensor that "
+                    "stays unchanged until backward (clone it), or drop 'through' from the rule."
+                )
+        return self.fn(x, **self.kwargs)
 
 
 class _OpenRuns(threading.local):
@@ -264,9 +285,10 @@ class ChainedForward(CheckpointedForward):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         chain = self.chain
-        one = args[0] if len(args) == 1 and _constants(kwargs) else None
-        # keyword arguments without tensors are bound into the call the replay repeats
-        run: Callable[[Any], Any] = functools.partial(self.run, **kwargs) if kwargs else self.run
+        one = args[0] if len(args) == 1 and _passable(kwargs) else None
+        run: Callable[[Any], Any] = (
+            _WithKeywords(self.run, kwargs, self.run.name) if kwargs else self.run
+        )
         if self.index == 0:
             chain.close()  # a run the parent left unfinished (another branch, an exception)
             module = self.run.module

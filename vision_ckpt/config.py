@@ -262,12 +262,12 @@ class LevelRule(_Schema):
     and its siblings up to and including that one, which their parent calls one after another
     on one tensor (a stem of conv, norm, activation and pool that is not one module, such as
     ResNet's ``conv1`` ... ``maxpool``), are checkpointed as one region; keyword arguments
-    holding no tensor (``attn_mask=None``) are passed again when it is recomputed. The run is
-    checked at every call; where the parent does anything else, the region ends there, exactly. A
-    selected module without that later sibling is an error, except in a preset, whose rule
-    then leaves that module out (one model class can hold blocks of several layouts). A later
-    member may have a level of its own below the rule's: from the rule's level on, the run
-    takes its place."""
+    (``attn_mask=None``, a rotary embedding tensor) are passed again when it is recomputed.
+    The run is checked at every call; where the parent does anything else, the region ends
+    there, exactly. A selected module without that later sibling is an error, except in a
+    preset, whose rule then leaves that module out (one model class can hold blocks of
+    several layouts). A later member may have a level of its own below the rule's: from the
+    rule's level on, the run takes its place."""
 
     @field_validator("through")
     @classmethod
