@@ -187,10 +187,11 @@ def test_regions_column_follows_the_nesting_mode() -> None:
         with vision_ckpt.training_level(entry.level):
             checkpointed = vision_ckpt.plan(model, config).checkpointed
         assert entry.regions == len(checkpointed)
-    # The whole trunk, and its layers inside it: the trunk is a group (level 5), so its layers
-    # stay checkpointed while it is recomputed, even with outermost (NOTE [ Nesting ]).
+    # The stack as groups of layers (one entry), its layers inside them, and in every layer the
+    # attention half and the lean MLP of level 5: groups keep their layers checkpointed while
+    # they are recomputed, even with outermost (NOTE [ Nesting ]).
     depth = len(model.blocks)
-    assert result.level(5).regions == 1 + depth
+    assert result.level(5).regions == 1 + 3 * depth
     assert result.level(3).regions == depth
 
 
