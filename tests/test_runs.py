@@ -455,7 +455,7 @@ def test_a_keyword_container_ends_the_run_and_names_the_argument(assert_exact) -
     x = torch.randn(4, 6, 8, requires_grad=True)
     with pytest.warns(
         UserWarning,
-        match=r"ended after 'norm': 'gate' was called with keyword arguments \['mask'\] that "
+        match=r"ended after 'norm': 'gate' was called with arguments \['mask'\] that "
         r"the run cannot pass again \(only tensors and None, bool, int, float and str",
     ):
         got = _step(model, x)

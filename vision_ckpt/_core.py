@@ -1083,9 +1083,9 @@ def checkpoint_sequential(
 # Invariants (the caller, the install layer, checks the first two before every ``run``):
 #   1. each call after the first receives the previous call's output, the very tensor object,
 #      unmodified since (same version), and no other tensor: so replaying the calls in order
-#      reproduces every tensor the region saved (keyword arguments, such as
-#      ``attn_mask=None`` or a rotary embedding, are bound into the call and passed again by
-#      the replay, which refuses a tensor among them that changed in place since);
+#      reproduces every tensor the region saved (further arguments after it, positional or
+#      keyword, such as ``attn_mask=None`` or a rotary embedding, are bound into the call and
+#      passed again by the replay, which refuses a tensor among them that changed in place);
 #   2. every call runs in the context of the first (``same_context``): grad mode on, the same
 #      autocast state, and the same saved-tensor hooks below the region's own, i.e. inside the
 #      same enclosing region. The replay runs all calls in the first one's context; a call

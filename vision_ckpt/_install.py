@@ -153,43 +153,52 @@ class CheckpointedForward:
 _PASSABLE = (type(None), bool, int, float, str, torch.Tensor)
 
 
-def _passable(kwargs: dict[str, Any]) -> bool:
-    """Whether a run's replay may pass these keyword arguments again: immutable plain values
-    (``is_causal=False``) and tensors (a rotary embedding), not containers or objects."""
-    return all(isinstance(value, _PASSABLE) for value in kwargs.values())
+def _passable(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a run's replay may pass these arguments (after the previous member's output)
+    again: immutable plain values (``is_causal=False``) and tensors (a rotary embedding, an
+    attention mask), not containers or objects."""
+    return all(isinstance(value, _PASSABLE) for value in (*rest, *kwargs.values()))
 
 
 def _extra_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """What keeps a call from joining a run, for its warning."""
-    if len(args) != 1:
-        return f"{len(args)} positional arguments, not only the previous member's output"
-    names = [key for key, value in kwargs.items() if not isinstance(value, _PASSABLE)]
+    if not args:
+        return "no positional argument, not the previous member's output first"
+    names = [f"#{i}" for i, v in enumerate(args[1:], 2) if not isinstance(v, _PASSABLE)]
+    names += [key for key, value in kwargs.items() if not isinstance(value, _PASSABLE)]
     return (
-        f"keyword arguments {names} that the run cannot pass again (only tensors and None, "
-        "bool, int, float and str values join a run)"
+        f"arguments {names} that the run cannot pass again (only tensors and None, bool, "
+        "int, float and str values join a run)"
     )
 
 
-class _WithKeywords:
-    """A run member's call with the keyword arguments it was given, as the run's replay
-    repeats it. A tensor among them is held until the replay, and must not change before."""
+class _BoundCall:
+    """A run member's call with the arguments it was given after the previous member's
+    output, as the run's replay repeats it. A tensor among them is held until the replay, and
+    must not change before."""
 
-    __slots__ = ("fn", "kwargs", "versions", "name")
+    __slots__ = ("fn", "rest", "kwargs", "versions", "name")
 
-    def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> None:
-        self.fn, self.kwargs, self.name = fn, kwargs, name
-        self.versions = {k: v._version for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    def __init__(
+        self, fn: Callable[..., Any], rest: tuple[Any, ...], kwargs: dict[str, Any], name: str
+    ) -> None:
+        self.fn, self.rest, self.kwargs, self.name = fn, rest, kwargs, name
+        given = {f"#{i}": v for i, v in enumerate(rest, 2)} | kwargs
+        self.versions = {
+            k: (v, v._version) for k, v in given.items() if isinstance(v, torch.Tensor)
+        }
 
     def __call__(self, x: Any) -> Any:
-        for key, version in self.versions.items():
-            if self.kwargs[key]._version != version:
+        for key, (tensor, version) in self.versions.items():
+            if tensor._version != version:
+                what = f"argument {key}" if key.startswith("#") else f"{key}=..."
                 raise CheckpointError(
                     f"the checkpointed run member {self.name!r} was called with the tensor "
-                    f"{key}=..., which was modified in place before backward recomputed the "
+                    f"{what}, which was modified in place before backward recomputed the "
                     "run, so the recomputation cannot repeat the call. Pass a tensor that "
                     "stays unchanged until backward (clone it), or drop 'through' from the rule."
                 )
-        return self.fn(x, **self.kwargs)
+        return self.fn(x, *self.rest, **self.kwargs)
 
 
 class _OpenRuns(threading.local):
@@ -210,8 +219,9 @@ class Chain:
     checkpointed as one region (a rule's ``through``). It holds the members' forwards, which
     refer to their modules weakly, and tracks the run open on each thread."""
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, nested: bool = False) -> None:
         self.label = label
+        self.nested = nested  # members keep their own policies inside the run
         self.members: list[_ModuleForward] = []
 
     def modules(self) -> list[nn.Module]:
@@ -283,11 +293,19 @@ class ChainedForward(CheckpointedForward):
             return self.run(*args, **kwargs)
         return self._run_under(self.own, False, args, kwargs)  # no segments: _check_runs
 
+    def _inside(self, *args: Any, **kwargs: Any) -> Any:
+        """A member's call inside a nested run (a group of layers): as its own rungs say, in
+        forward and in the run's recomputation alike."""
+        return self._alone(args, kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         chain = self.chain
-        one = args[0] if len(args) == 1 and _passable(kwargs) else None
+        one = args[0] if args and _passable(args[1:], kwargs) else None
+        member = self._inside if chain.nested else self.run
         run: Callable[[Any], Any] = (
-            _WithKeywords(self.run, kwargs, self.run.name) if kwargs else self.run
+            _BoundCall(member, args[1:], kwargs, self.run.name)
+            if len(args) > 1 or kwargs
+            else member
         )
         if self.index == 0:
             chain.close()  # a run the parent left unfinished (another branch, an exception)
@@ -342,14 +360,20 @@ def install(items: Iterable[tuple[nn.Module, str, Policy]]) -> None:
 
 
 def install_chain(
-    members: list[tuple[nn.Module, str, Policy | None]], policy: Policy, label: str
+    members: list[tuple[nn.Module, str, Policy | None]],
+    policy: Policy,
+    label: str,
+    nested: bool = False,
 ) -> None:
     """Give a run of sibling modules, in call order, forwards that checkpoint them as one
     region as the first one's ``policy`` decides (NOTE [ Runs of sibling calls ]); a later
-    member's own policy applies where it is called outside the run."""
-    chain = Chain(label)
+    member's own policy applies where it is called outside the run. ``nested``: the run is a
+    group of layers, and every member's own policy applies inside the run too."""
+    chain = Chain(label, nested)
     for index, (module, name, own) in enumerate(members):
-        forward = ChainedForward(module, name, policy, chain, index, own if index else None)
+        forward = ChainedForward(
+            module, name, policy, chain, index, own if index or nested else None
+        )
         chain.members.append(forward.run)
         module.__dict__["forward"] = forward
 

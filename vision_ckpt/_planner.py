@@ -187,6 +187,16 @@ def _with_stage_blocks(model: torch.nn.Module, base: CheckpointConfig, plan: Any
     return _plan(model, base.model_copy(update={"rules": rules}))
 
 
+def _block_run(entry: Any) -> str | None:
+    """The last sibling of the run that ``entry``'s block is (a stem's ``through``), or
+    ``None``; a group of a ModuleList's layers is a run too, but its block is the first layer
+    alone (NOTE [ Groups of a ModuleList ] in ``apply``)."""
+    return next(
+        (r.through for r in entry.rungs or () if r.through is not None and r.segments is None),
+        None,
+    )
+
+
 def _holds_repeats(entry: Any, entries: list[Any]) -> bool:
     """Whether two or more of ``entries`` inside ``entry`` are numbered blocks of one class
     (``layer1.0``, ``layer1.1``: a stack), not a block's named parts (``attn_block``,
@@ -401,7 +411,7 @@ def _strategy_config(
                 match=exact_name_pattern(entry.name),
                 level=_LEVEL[strategy],
                 strategy="selective" if strategy == "selective" else "full",
-                through=None if strategy == "selective" else entry.through,
+                through=None if strategy == "selective" else _block_run(entry),
             )
         )
         if strategy == "nested":
@@ -482,7 +492,7 @@ def _measure_menus(
     runs = {
         e.name: run_members(model, e.name, end, "the planner")[1:]
         for e in candidates
-        if (end := e.through) is not None
+        if (end := _block_run(e)) is not None
     }
     entries = list(full_plan.entries)
     inner_of = {  # the regions inside each block (a lean MLP alone is none)

@@ -31,7 +31,15 @@ from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
 from .levels import Level, is_checkpointed, is_group, parse_level
 from .matching import ModuleMatcher, later_siblings, qualified_class_name
-from .wrapper import HEAVY_OPS, Policy, Rung, SaveOps, get_training_level, rung_within
+from .wrapper import (
+    HEAVY_OPS,
+    Policy,
+    Rung,
+    SaveOps,
+    get_training_level,
+    rung_within,
+    segment_size,
+)
 
 __all__ = [
     "PlanEntry",
@@ -365,10 +373,24 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
         matcher = ModuleMatcher(rule.match, rule.match_type)
         hits = [n for n, m in modules if matcher.matches(n, *class_names[n])]
         callable_hits = [n for n in hits if _has_forward(model.get_submodule(n))]
-        if required and not callable_hits:
+        stacks = [
+            n
+            for n in hits
+            if rule.segments is not None and isinstance(model.get_submodule(n), nn.ModuleList)
+        ]
+        if required and not callable_hits and not stacks:
             _no_match(model, modules, rule, origin, hits, strict=cfg.strict)
         if rule.segments is not None:
             _check_segments(model, rule, origin, callable_hits)
+        for name in stacks:  # NOTE [ Groups of a ModuleList ]
+            for first, group_rule in _group_runs(model, name, rule):
+                ways = decided.get(first, {}).values()
+                if group_rule.through is None and any(  # a group of one region already
+                    r.strategy == "full" and r.through is None and 0 < r.level < rule.level
+                    for r, _ in ways
+                ):
+                    continue
+                _add_way(decided, first, group_rule, origin)
         if rule.strategy == "lean":
             callable_hits = _lean_hits(model, rule, origin, callable_hits, required)
         if rule.through is not None:
@@ -379,28 +401,7 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
             for name in callable_hits:
                 run_members(model, name, rule.through, f"{origin} ({rule})")
         for name in callable_hits:
-            if rule.level == 0 and rule.strategy == "lean":  # takes the lean level away only
-                ways = decided.get(name, {})
-                for other in [k for k, (r, _) in ways.items() if r.strategy == "lean"]:
-                    del ways[other]
-                if not ways:
-                    decided[name] = {("none",): (rule, origin)}
-            elif rule.level == 0:
-                decided[name] = {("none",): (rule, origin)}
-            else:
-                ways = decided.setdefault(name, {})
-                ways.pop(("none",), None)
-                # a lean rule replaces the module's other lean rule; a region's rule replaces
-                # the regions' rules of its level (a lean level is not a region's)
-                lean = rule.strategy == "lean"
-                for other in [
-                    k
-                    for k, (r, _) in ways.items()
-                    if (r.strategy == "lean") == lean and (lean or r.level == rule.level)
-                ]:
-                    del ways[other]
-                key = (rule.strategy, rule.segments, rule.recompute_below, rule.through)
-                ways[key] = (rule, origin)
+            _add_way(decided, name, rule, origin)
 
     _check_runs(model, decided)
     _check_lean(decided)
@@ -423,6 +424,67 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
         preserve_rng_state=cfg.preserve_rng_state,
         save_ops=save_ops,
     )
+
+
+def _add_way(
+    decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]],
+    name: str,
+    rule: LevelRule,
+    origin: str,
+) -> None:
+    """Record that ``rule`` (from ``origin``) checkpoints module ``name`` in its way."""
+    if rule.level == 0 and rule.strategy == "lean":  # takes the lean level away only
+        ways = decided.get(name, {})
+        for other in [k for k, (r, _) in ways.items() if r.strategy == "lean"]:
+            del ways[other]
+        if not ways:
+            decided[name] = {("none",): (rule, origin)}
+    elif rule.level == 0:
+        decided[name] = {("none",): (rule, origin)}
+    else:
+        ways = decided.setdefault(name, {})
+        ways.pop(("none",), None)
+        # a lean rule replaces the module's other lean rule; a region's rule replaces the
+        # regions' rules of its level (a lean level is not a region's)
+        lean = rule.strategy == "lean"
+        for other in [
+            k
+            for k, (r, _) in ways.items()
+            if (r.strategy == "lean") == lean and (lean or r.level == rule.level)
+        ]:
+            del ways[other]
+        key = (rule.strategy, rule.segments, rule.recompute_below, rule.through)
+        ways[key] = (rule, origin)
+
+
+# NOTE [ Groups of a ModuleList ]
+# BEiT, EVA and many others keep their layers in an nn.ModuleList and call them from their own
+# forward, one after another, passing each the previous one's output and the same keyword
+# arguments (a relative position bias, a rotary embedding). Nobody calls the list, so 'segments'
+# on it cannot split one forward as it splits an nn.Sequential's. Instead every group of about
+# sqrt(n) consecutive layers becomes a run from its first layer through its last (the regions
+# of consecutive calls of NOTE [ Runs of sibling calls ]), marked by keeping 'segments' beside
+# 'through'. Unlike other runs it is a group: its layers keep their own rungs inside it, so the
+# run's recomputation holds the inputs of its layers, each recomputed again on its own, as an
+# nn.Sequential's segments do (NOTE [ Nesting ]). A group of one layer is a plain region of it,
+# unless that layer is a region at a lower level already (a ladder of two equal regions).
+# No module is inserted, so names and the state dict stay the model's.
+
+
+def _group_runs(model: nn.Module, name: str, rule: LevelRule) -> list[tuple[str, LevelRule]]:
+    """The first module of every group a ``segments`` rule makes of the ModuleList ``name``,
+    with the rule that runs it through the last (NOTE [ Groups of a ModuleList ])."""
+    children = list(model.get_submodule(name)._modules)
+    size = segment_size(Rung(rule.level, "full", rule.segments), len(children))
+    out = []
+    for start in range(0, len(children), size):
+        group = children[start : start + size]
+        first = f"{name}.{group[0]}" if name else group[0]
+        if len(group) == 1:  # model_copy: a rule that validation would not build from a file
+            out.append((first, rule.model_copy(update={"segments": None})))
+        else:
+            out.append((first, rule.model_copy(update={"through": group[-1]})))
+    return out
 
 
 def _entry(
@@ -483,7 +545,9 @@ def _step_aside(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
 # At no level are both active, so a call is never recomputed twice for one region. A member
 # may not start a run of its own or be split into segments (``_check_runs``). Where the run's
 # first module is, at some level, checkpointed by another rung of its own instead of the run,
-# the run is not open there and the later members run plainly.
+# the run is not open there and the later members run plainly. The runs of a ModuleList's
+# groups are the exception: there every member keeps its rungs, inside the run as outside
+# (NOTE [ Groups of a ModuleList ]).
 
 
 def _runs_take_over(model: nn.Module, entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
@@ -492,7 +556,7 @@ def _runs_take_over(model: nn.Module, entries: tuple[PlanEntry, ...]) -> tuple[P
     ends: dict[str, Level] = {}
     for e in entries:
         run = next((r for r in e.rungs if r.through is not None), None)
-        if run is not None:
+        if run is not None and run.segments is None:  # a group's layers keep their rungs
             for member in run_members(model, e.name, run.through, f"the run {e.name!r}")[1:]:
                 ends[member] = min(ends.get(member, run.level), run.level)
     out = []
@@ -798,10 +862,17 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
     for entry, _ in installs:
         if entry.name in runs:
             names = runs[entry.name]
+            # a group's first layer keeps its rungs below the run inside it too (NOTE [ Groups
+            # of a ModuleList ]); the rungs of another run's first module never nest in it
+            group = any(r.segments is not None for r in entry.rungs if r.through is not None)
+            if group:
+                alone = replace(entry, rungs=tuple(r for r in entry.rungs if r.through is None))
+                own[entry.name] = _policy(the_plan, alone, shared)
             install_chain(
                 [(model.get_submodule(n), n, own.get(n)) for n in names],
                 _policy(the_plan, entry, shared),
                 f"{entry.name}..{entry.through}",
+                nested=group,
             )
     return the_plan
 

@@ -249,7 +249,10 @@ class LevelRule(_Schema):
     segments: Literal["auto"] | Annotated[int, Field(ge=1)] | None = None
     """For an ``nn.Sequential`` (a stack of layers) with strategy ``full``: checkpoint it as
     consecutive groups of layers instead of as one region. ``auto`` makes groups of about
-    sqrt(n) of its n layers; an integer k makes groups of k. The module tree is unchanged."""
+    sqrt(n) of its n layers; an integer k makes groups of k. The module tree is unchanged.
+    On an ``nn.ModuleList`` whose layers the parent calls one after another (BEiT, EVA), each
+    group is a run of those calls (as ``through`` makes one), with its layers' own levels
+    still applying inside it."""
 
     recompute_below: Annotated[int, Field(ge=1)] | None = None
     """For strategy ``selective``: also recompute convolutions and matrix products that cost
@@ -261,8 +264,9 @@ class LevelRule(_Schema):
     """For strategy ``full``: the name of a later sibling of the selected module. The module
     and its siblings up to and including that one, which their parent calls one after another
     on one tensor (a stem of conv, norm, activation and pool that is not one module, such as
-    ResNet's ``conv1`` ... ``maxpool``), are checkpointed as one region; keyword arguments
-    (``attn_mask=None``, a rotary embedding tensor) are passed again when it is recomputed.
+    ResNet's ``conv1`` ... ``maxpool``), are checkpointed as one region; further arguments
+    after that tensor, positional or keyword (``attn_mask=None``, a rotary embedding tensor),
+    are passed again when it is recomputed.
     The run is checked at every call; where the parent does anything else, the region ends
     there, exactly. A selected module without that later sibling is an error, except in a
     preset, whose rule then leaves that module out (one model class can hold blocks of
