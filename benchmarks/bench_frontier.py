@@ -183,7 +183,7 @@ def _top_row(model: str, by: dict[str, Row]) -> Row | None:
     (the preset's level 5 is often a lower level's plan: a run may leave it out)."""
     if "L5" in by:
         return by["L5"]
-    net = timm.create_model(model, pretrained=False)
+    net = timm.create_model(model, pretrained=False, num_classes=1000)
     cfg = {"preset": "auto", "nesting": "auto"}
     top = _plan_key(vision_ckpt.plan(net, {**cfg, "training_checkpoint_level": 5}), 5, "auto")
     for v in reversed(LEVELS[:-1]):
@@ -248,7 +248,7 @@ def bench_model(
 ) -> list[Row]:
     now = time.process_time if clock == "cpu" else time.perf_counter
     torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False).train()
+    model = timm.create_model(name, pretrained=False, num_classes=1000).train()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, 224, 224, generator=gen)
     y = torch.randint(0, 1000, (batch,), generator=gen)

@@ -169,7 +169,7 @@ def test_beit_and_eva_groups_are_exact_and_hold_less(
     x = torch.randn(2, 3, 32, 32)
     ref = _step(plain, x)
     held = {}
-    for level in (3, 4):
+    for level in (3, 4, 5):
         model = copy.deepcopy(plain)
         config = {"training_checkpoint_level": level, "preset": "auto", "rules": rules}
         plan = vision_ckpt.apply(model, config)
