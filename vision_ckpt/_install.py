@@ -287,26 +287,26 @@ class ChainedForward(CheckpointedForward):
         self.index = index
         self.own = own  # a later member's rungs below the run's level (NOTE [ Runs take over ])
 
-    def _alone(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A later member called outside the run: plainly, or as its own rungs say."""
+    def _alone(self, *args: Any, **kwargs: Any) -> Any:
+        """A member called outside the run, or inside a nested one (a group of layers, in
+        forward and recomputation alike): plainly, or as its own rungs say."""
         if self.own is None:
             return self.run(*args, **kwargs)
         return self._run_under(self.own, False, args, kwargs)  # no segments: _check_runs
 
-    def _inside(self, *args: Any, **kwargs: Any) -> Any:
-        """A member's call inside a nested run (a group of layers): as its own rungs say, in
-        forward and in the run's recomputation alike."""
-        return self._alone(args, kwargs)
+    def _in_run(
+        self, call: ChainCall, one: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """This member's call as the run's next one, with its further arguments bound for the
+        replay."""
+        member = self._alone if self.chain.nested else self.run
+        if len(args) > 1 or kwargs:
+            return call.run(_BoundCall(member, args[1:], kwargs, self.run.name), one)
+        return call.run(member, one)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         chain = self.chain
         one = args[0] if args and _passable(args[1:], kwargs) else None
-        member = self._inside if chain.nested else self.run
-        run: Callable[[Any], Any] = (
-            _BoundCall(member, args[1:], kwargs, self.run.name)
-            if len(args) > 1 or kwargs
-            else member
-        )
         if self.index == 0:
             chain.close()  # a run the parent left unfinished (another branch, an exception)
             module = self.run.module
@@ -317,12 +317,12 @@ class ChainedForward(CheckpointedForward):
                 return run_policy(
                     self.policy, self.run, args, kwargs, module=module, label=self.run.name
                 )
-            out = call.run(run, one)
+            out = self._in_run(call, one, args, kwargs)
             chain.expect(call, 1, out)
             return out
         pending = chain.pending()
         if pending is None:
-            return self._alone(args, kwargs)
+            return self._alone(*args, **kwargs)
         call, index, ref, version = pending
         if call is None or ref is None:  # the output it waited for was freed
             if index == self.index:
@@ -340,10 +340,10 @@ class ChainedForward(CheckpointedForward):
         elif (differs := call.same_context()) is not None:
             chain.broken(index, f"was called where {differs}")
         else:
-            out = call.run(run, one)
+            out = self._in_run(call, one, args, kwargs)
             chain.expect(call, index + 1, out)
             return out
-        return self._alone(args, kwargs)
+        return self._alone(*args, **kwargs)
 
     def __repr__(self) -> str:
         alone = ""

@@ -192,7 +192,7 @@ def _block_run(entry: Any) -> str | None:
     ``None``; a group of a ModuleList's layers is a run too, but its block is the first layer
     alone (NOTE [ Groups of a ModuleList ] in ``apply``)."""
     return next(
-        (r.through for r in entry.rungs or () if r.through is not None and r.segments is None),
+        (r.through for r in entry.rungs or () if r.through and not r.layer_group_run),
         None,
     )
 

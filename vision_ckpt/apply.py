@@ -80,6 +80,12 @@ class PlannedRung:
         """A group of layers: level 4-5 or segmented (see ``CheckpointConfig.nesting``)."""
         return is_group(self.level) or self.segments is not None
 
+    @property
+    def layer_group_run(self) -> bool:
+        """A run that is a group of a ModuleList's layers, whose layers keep their own rungs
+        inside it (NOTE [ Groups of a ModuleList ])."""
+        return self.through is not None and self.segments is not None
+
     def __str__(self) -> str:
         text = "segments" if self.segments is not None else self.strategy
         if self.through is not None:
@@ -556,7 +562,7 @@ def _runs_take_over(model: nn.Module, entries: tuple[PlanEntry, ...]) -> tuple[P
     ends: dict[str, Level] = {}
     for e in entries:
         run = next((r for r in e.rungs if r.through is not None), None)
-        if run is not None and run.segments is None:  # a group's layers keep their rungs
+        if run is not None and not run.layer_group_run:  # a group's layers keep their rungs
             for member in run_members(model, e.name, run.through, f"the run {e.name!r}")[1:]:
                 ends[member] = min(ends.get(member, run.level), run.level)
     out = []
@@ -864,7 +870,7 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
             names = runs[entry.name]
             # a group's first layer keeps its rungs below the run inside it too (NOTE [ Groups
             # of a ModuleList ]); the rungs of another run's first module never nest in it
-            group = any(r.segments is not None for r in entry.rungs if r.through is not None)
+            group = any(r.layer_group_run for r in entry.rungs)
             if group:
                 alone = replace(entry, rungs=tuple(r for r in entry.rungs if r.through is None))
                 own[entry.name] = _policy(the_plan, alone, shared)
