@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ._measure import Workload, measure_memory
+from ._measure import StepMemory, Workload, measure_memory
 
 __all__ = ["small_batches", "extrapolated_peak", "predict_peak", "peak_measurer"]
 
@@ -31,6 +31,8 @@ def _affine(points: Sequence[tuple[int, int]], batch: int) -> int:
 # start of backward, with every activation alive). So the prediction fits a line per operator
 # through two measured timelines and takes the largest value at the target batch. If the two
 # runs did not execute the same number of operators, it falls back to the line through peaks.
+# On CUDA the timelines come moved up by the allocator's excess over the tracked bytes, so the
+# same rule predicts the allocator's peak (NOTE [ Two meters ] in ``_measure``).
 
 
 def _predict_from_timelines(
@@ -83,17 +85,24 @@ def extrapolated_peak(
     return _predict_from_timelines(lines, points, target), points
 
 
-def peak_measurer(work: Workload) -> Callable[[int, list[int]], int]:
+def peak_measurer(
+    work: Workload, readings: list[tuple[int, StepMemory]] | None = None
+) -> Callable[[int, list[int]], int]:
     """``measure(batch, timeline)`` for :func:`extrapolated_peak`: one step of ``work`` at that
-    batch, at the training level in force when it is called."""
+    batch, at the training level in force when it is called, returning the peak that decides a
+    budget on its device (the CUDA allocator's on CUDA, NOTE [ Two meters ] in ``_measure``).
+    With ``readings``, each step's (batch, :class:`StepMemory`) is appended to it."""
 
     def measure(batch: int, timeline: list[int]) -> int:
-        return measure_memory(work, work.batch(batch), timeline)[0]
+        step = measure_memory(work, work.batch(batch), timeline)
+        if readings is not None:
+            readings.append((batch, step))
+        return step.deciding
 
     return measure
 
 
 def predict_peak(work: Workload, limit: int | None = None) -> int:
     """Step peak at the example's batch size, extrapolated from smaller batches, at the
-    training level currently in force."""
+    training level currently in force, in the terms of the device's meter."""
     return extrapolated_peak(peak_measurer(work), work.batch_size, limit)[0]

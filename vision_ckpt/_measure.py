@@ -6,6 +6,9 @@ report what it cost. Setting a model up for measurement lives here too: applying
 the duration of a measurement (:func:`applied`) and putting the model back as it was
 (:func:`model_restored`). ``vision_ckpt.profile`` builds the level search and the block
 planner on these.
+
+Which figure decides a budget depends on the device, and is chosen in one place,
+:func:`meter_for`; see NOTE [ Two meters ].
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from ._install import installed, reinstall
-from ._memory import count_saved_bytes, track_peak_memory
+from ._memory import count_saved_bytes, format_bytes, track_peak_memory
 from .apply import apply as _apply_config
 from .config import CheckpointConfig
 from .errors import VisionCkptError
@@ -35,12 +38,18 @@ __all__ = [
     "Workload",
     "batch_of",
     "run_step",
+    "StepMemory",
+    "FitCheck",
+    "Meter",
+    "meter_for",
     "measure_memory",
+    "confirm_fits",
     "measure_flops",
     "measure_time",
     "step_time",
     "following_global",
     "applied",
+    "Snapshot",
     "model_restored",
 ]
 
@@ -111,19 +120,119 @@ def run_step(work: Workload, x: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
-def measure_memory(
-    work: Workload, x: torch.Tensor, timeline: list[int] | None = None
-) -> tuple[int, int, int, int | None]:
-    """(peak, activation, saved, cuda peak) bytes of one training step on ``x``; with
-    ``timeline``, the live bytes after every operation are appended to it."""
+class StepMemory(NamedTuple):
+    """The memory of one training step, as :func:`measure_memory` reports it."""
+
+    peak: int
+    """Peak of live tensor-storage bytes (the byte tracker: deterministic)."""
+    activation: int
+    """``peak`` minus the bytes live before the step."""
+    saved: int
+    """Bytes autograd kept from forward to backward (see ``count_saved_bytes``)."""
+    allocated: int | None = None
+    """On CUDA: ``torch.cuda.max_memory_allocated`` of a warmed-up step; else ``None``."""
+    reserved: int | None = None
+    """On CUDA: ``torch.cuda.max_memory_reserved`` of the same step; else ``None``."""
+
+    @property
+    def deciding(self) -> int:
+        """The figure a budget is decided on: the allocator's on CUDA, else the tracker's
+        (NOTE [ Two meters ])."""
+        return self.peak if self.allocated is None else self.allocated
+
+
+@dataclass(frozen=True)
+class FitCheck:
+    """A real training step at the target batch, run to confirm a plan predicted to fit."""
+
+    batch_size: int
+    budget_bytes: int
+    allocated_bytes: int | None
+    """``torch.cuda.max_memory_allocated`` of the step; ``None`` when it ran out of memory."""
+    reserved_bytes: int | None
+    """``torch.cuda.max_memory_reserved`` of the step (reported; the budget is decided on
+    ``allocated_bytes``); ``None`` when it ran out of memory."""
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self.allocated_bytes is None
+
+    @property
+    def fits(self) -> bool:
+        """Whether the step ran and its allocated peak is within the budget."""
+        return self.allocated_bytes is not None and self.allocated_bytes <= self.budget_bytes
+
+    def explain(self) -> str:
+        """One line: what the real step at the target batch took.
+
+        >>> FitCheck(64, 2**30, 3 * 2**28, 2**30 + 2**20).explain()
+        'real step at batch 64: allocated 768.00 MiB, reserved 1.00 GiB of 1.00 GiB budget: fits'
+        """
+        if self.allocated_bytes is None:
+            return (
+                f"real step at batch {self.batch_size}: out of memory "
+                f"(budget {format_bytes(self.budget_bytes)})"
+            )
+        return (
+            f"real step at batch {self.batch_size}: allocated "
+            f"{format_bytes(self.allocated_bytes)}, reserved "
+            f"{format_bytes(self.reserved_bytes or 0)} of {format_bytes(self.budget_bytes)} "
+            f"budget: {'fits' if self.fits else 'does not fit'}"
+        )
+
+
+# NOTE [ Two meters ]
+#
+# A budget is a number of bytes the user's device must hold during a step. Off CUDA, the
+# deciding figure is the byte tracker's peak (``vision_ckpt._memory.track_peak_memory``): live
+# tensor storage, the same on every run. On CUDA what runs out is the caching allocator, whose
+# ``max_memory_allocated`` also holds what the tracker cannot see: cuDNN and cuBLAS workspaces,
+# each block rounded up, scratch tensors freed inside an operator, and every tensor on the device
+# that no root handed to the tracker. So on CUDA:
+#
+# 1. The deciding figure is ``max_memory_allocated`` of a real step, warmed up: the same batch
+#    has run once just before (cuDNN's autotuning, cuBLAS's workspace and the optimizer state
+#    exist), the device is synchronised, the peak statistics are reset, the step runs and the
+#    device is synchronised again. ``max_memory_reserved`` is read beside it and reported; it is
+#    not decided on (what the allocator keeps cached is its own choice, freed on demand).
+# 2. Predictions keep the tracker's timeline (NOTE [ Predicting the peak of a larger batch ] in
+#    ``_extrapolate``): the timeline of each measured batch is moved up by the allocator's excess
+#    at that batch (allocated minus tracked peak), so that its maximum is the allocated peak and
+#    the prediction at the target is the tracker's plus the excess on its line through the small
+#    batches.
+# 3. That line is a model, not a measurement. A plan predicted to fit is confirmed by a real step
+#    at the target batch (:func:`confirm_fits`); one whose step allocates more than the budget,
+#    or runs out of memory, is reported as not fitting.
+# 4. Measuring does not itself hold device memory: ``model_restored`` keeps its copy of the
+#    weights and optimizer state on the host.
+#
+# :func:`meter_for` is the only place that chooses between the two.
+
+
+class Meter(Protocol):
+    """How a device's memory is measured for budgets (NOTE [ Two meters ])."""
+
+    name: str
+
+    def read(self, work: Workload, x: torch.Tensor, timeline: list[int] | None) -> StepMemory:
+        """One training step of ``work`` on ``x``; with ``timeline``, the live bytes after
+        every operation (in the meter's terms) are appended to it."""
+        ...
+
+    def confirm(self, work: Workload, batch: int, budget: int) -> FitCheck | None:
+        """A real step at ``batch`` against ``budget``, or ``None`` when the meter's prediction
+        is the measurement itself."""
+        ...
+
+
+def _tracked_step(work: Workload, x: torch.Tensor, timeline: list[int] | None) -> StepMemory:
+    """One step under the byte tracker and the saved-bytes counter."""
     model, optimizer = work.model, work.optimizer
     model.zero_grad(set_to_none=True)
     roots: list[Any] = [model, x]
     if optimizer is not None:
         roots.append(optimizer)
-    device = work.device
-    count_device = device if device.type != "cpu" else "cpu"
-    with track_peak_memory(*roots, device=count_device, timeline=timeline is not None) as mem:
+    with track_peak_memory(*roots, device=work.device, timeline=timeline is not None) as mem:
         with count_saved_bytes(model) as saved:
             out = model(x)
         loss = work.loss_fn(out)
@@ -134,7 +243,117 @@ def measure_memory(
             optimizer.step()
     if timeline is not None:
         timeline.extend(mem.timeline or ())
-    return mem.peak_bytes, mem.activation_bytes, saved.nbytes, mem.cuda_peak_bytes
+    return StepMemory(mem.peak_bytes, mem.activation_bytes, saved.nbytes)
+
+
+class _ByteMeter:
+    """The byte tracker: deterministic, and what decides off CUDA."""
+
+    name = "bytes"
+
+    def read(self, work: Workload, x: torch.Tensor, timeline: list[int] | None) -> StepMemory:
+        return _tracked_step(work, x, timeline)
+
+    def confirm(self, work: Workload, batch: int, budget: int) -> FitCheck | None:
+        return None  # the prediction extrapolates this very count
+
+
+class _AllocatorMeter:
+    """The CUDA caching allocator's peak of real, warmed-up steps."""
+
+    name = "cuda allocator"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def _allocator_step(self, work: Workload, x: torch.Tensor) -> tuple[int, int]:
+        """(allocated, reserved) peaks of one plain step on ``x``; the caller warms up."""
+        model, optimizer = work.model, work.optimizer
+        model.zero_grad(set_to_none=True)  # the last step's gradients are not this step's
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        out = model(x)
+        loss = work.loss_fn(out)
+        del out
+        loss.backward()
+        del loss
+        if optimizer is not None:
+            optimizer.step()
+        torch.cuda.synchronize(self.device)
+        return (
+            int(torch.cuda.max_memory_allocated(self.device)),
+            int(torch.cuda.max_memory_reserved(self.device)),
+        )
+
+    def read(self, work: Workload, x: torch.Tensor, timeline: list[int] | None) -> StepMemory:
+        start = len(timeline) if timeline is not None else 0
+        # The tracked step runs this batch first: it is also the allocator step's warm-up.
+        tracked = _tracked_step(work, x, timeline)
+        allocated, reserved = self._allocator_step(work, x)
+        if timeline is not None:
+            excess = allocated - tracked.peak
+            timeline[start:] = [v + excess for v in timeline[start:]]
+        return tracked._replace(allocated=allocated, reserved=reserved)
+
+    def confirm(self, work: Workload, batch: int, budget: int) -> FitCheck | None:
+        x = work.batch(batch)
+        try:
+            run_step(work, x)  # warm-up at the target batch
+            allocated, reserved = self._allocator_step(work, x)
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        else:
+            out_of_memory = False
+        if out_of_memory:  # outside the handler: its traceback no longer holds the step's tensors
+            work.model.zero_grad(set_to_none=True)
+            del x
+            torch.cuda.empty_cache()
+            return FitCheck(batch, budget, None, None)
+        return FitCheck(batch, budget, allocated, reserved)
+
+
+def _uses_allocator(device: torch.device) -> bool:
+    """Whether budgets on ``device`` are decided by the CUDA allocator."""
+    return device.type == "cuda"
+
+
+def meter_for(device: torch.device | str) -> Meter:
+    """The meter that decides budgets on ``device``: the CUDA allocator on a CUDA device, the
+    byte tracker everywhere else (NOTE [ Two meters ]).
+
+    >>> meter_for("cpu").name
+    'bytes'
+    """
+    dev = torch.device(device)
+    if _uses_allocator(dev):
+        return _AllocatorMeter(dev)
+    return _ByteMeter()
+
+
+def measure_memory(
+    work: Workload, x: torch.Tensor, timeline: list[int] | None = None
+) -> StepMemory:
+    """The memory of a training step on ``x``, by the meter of ``work``'s device: the byte
+    tracker's peak, activation and saved bytes, and on CUDA the allocator's peaks of a warmed-up
+    step (NOTE [ Two meters ]). With ``timeline``, the live bytes after every operation are
+    appended to it, in the deciding meter's terms."""
+    return meter_for(work.device).read(work, x, timeline)
+
+
+def confirm_fits(work: Workload, budget: int, batch: int | None = None) -> FitCheck | None:
+    """Run one real training step at ``batch`` (default: the example's) and check it against
+    ``budget``, where the device's meter needs it (on CUDA: NOTE [ Two meters ], point 3);
+    ``None`` elsewhere, where the prediction extrapolates the deterministic byte count.
+
+    Call it only for a plan predicted to fit: it runs the target batch. It runs at the
+    training level and with the checkpointing in force.
+
+    >>> import torch
+    >>> work = Workload(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    >>> confirm_fits(work, 2**20) is None  # on CPU the byte count is the measurement
+    True
+    """
+    return meter_for(work.device).confirm(work, batch or work.batch_size, budget)
 
 
 def measure_flops(work: Workload, x: torch.Tensor) -> int:
@@ -186,23 +405,53 @@ def applied(model: torch.nn.Module, config: CheckpointConfig) -> Iterator[Any]:
         reinstall(model, before)
 
 
+def _host_copy(obj: Any) -> Any:
+    """A deep copy of ``obj`` with every tensor copied to host memory."""
+    tensors = [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+    memo: dict[int, Any] = {id(t): t.detach().to("cpu", copy=True) for t in tensors}
+    return copy.deepcopy(obj, memo)
+
+
+@dataclass
+class Snapshot:
+    """What :func:`model_restored` puts back: weights and buffers, optimizer state (copied to
+    the host, NOTE [ Two meters ] point 4), gradients (by reference) and training mode."""
+
+    state: dict[str, Any]
+    optimizer_state: dict[str, Any] | None
+    grads: dict[torch.nn.Parameter, torch.Tensor | None]
+    training: bool
+
+    @classmethod
+    def take(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Snapshot:
+        return cls(
+            state=_host_copy(model.state_dict()),
+            optimizer_state=_host_copy(optimizer.state_dict()) if optimizer is not None else None,
+            grads={p: p.grad for p in model.parameters()},
+            training=model.training,
+        )
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        # load_state_dict copies into the existing tensors (and the optimizer casts its state to
+        # each parameter's device), so parameters keep their identity and device.
+        model.load_state_dict(self.state)
+        if optimizer is not None:
+            optimizer.load_state_dict(self.optimizer_state)  # type: ignore[arg-type]
+        for p, g in self.grads.items():
+            p.grad = g
+        model.train(self.training)
+
+
 @contextlib.contextmanager
 def model_restored(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> Iterator[None]:
     """Measuring runs real training steps: put back the weights, buffers (BatchNorm statistics),
-    optimizer state, gradients and training mode the model had before."""
-    state = copy.deepcopy(model.state_dict())
-    opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
-    grads = {p: p.grad for p in model.parameters()}
-    was_training = model.training
+    optimizer state, gradients and training mode the model had before. The copy is kept on
+    the host, so that it is no part of a device peak measured meanwhile."""
+    snapshot = Snapshot.take(model, optimizer)
     model.train()
     try:
         yield
     finally:
-        model.load_state_dict(state)
-        if optimizer is not None:
-            optimizer.load_state_dict(opt_state)
-        for p, g in grads.items():
-            p.grad = g
-        model.train(was_training)
+        snapshot.restore(model, optimizer)

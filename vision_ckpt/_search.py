@@ -15,14 +15,18 @@ import torch
 
 from ._extrapolate import extrapolated_peak, peak_measurer, predict_peak
 from ._measure import (
+    FitCheck,
     LossFn,
+    StepMemory,
     Workload,
     applied,
+    confirm_fits,
     default_loss,
     following_global,
     measure_flops,
     measure_memory,
     measure_time,
+    meter_for,
     model_restored,
     run_step,
 )
@@ -66,7 +70,10 @@ class LevelProfile:
     saving: float | None = None
     """``1 - peak / peak at level 0``: the share of level 0's step peak this level saves."""
     cuda_peak_bytes: int | None = None
-    """``torch.cuda.max_memory_allocated`` over the step, on CUDA."""
+    """On CUDA: ``torch.cuda.max_memory_allocated`` of a warmed-up step, the figure budgets are
+    decided on there (NOTE [ Two meters ] in ``vision_ckpt._measure``)."""
+    cuda_reserved_bytes: int | None = None
+    """On CUDA: ``torch.cuda.max_memory_reserved`` of the same step."""
     skipped: str | None = None
     """Why the level was not run (e.g. its predicted peak is over ``memory_limit``)."""
 
@@ -81,6 +88,8 @@ class ProfileResult:
     device: str
     steps: int
     levels: list[LevelProfile] = field(default_factory=list)
+    meter: str = "bytes"
+    """What decided ``memory_limit``: ``bytes`` (the byte tracker) or ``cuda allocator``."""
 
     def level(self, value: int) -> LevelProfile:
         for entry in self.levels:
@@ -165,6 +174,15 @@ class Suggestion:
     """Per level, the (batch size, measured peak) points the prediction extrapolates from."""
     smallest_peak: int
     """The smallest predicted peak over the levels tried."""
+    meter: str = "bytes"
+    """What the peaks count: ``bytes`` (the byte tracker) or ``cuda allocator``
+    (``max_memory_allocated``, NOTE [ Two meters ] in ``vision_ckpt._measure``)."""
+    reserved: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """On CUDA, per level, (batch size, ``max_memory_reserved``) of the measured steps."""
+    check: FitCheck | None = None
+    """On CUDA, the real step at ``batch_size`` that confirmed ``level``."""
+    rejected: dict[int, FitCheck] = field(default_factory=dict)
+    """Levels predicted to fit whose real step at ``batch_size`` did not."""
 
     @property
     def fits(self) -> bool:
@@ -173,19 +191,24 @@ class Suggestion:
     def explain(self) -> str:
         from ._memory import format_bytes
 
+        rejected = "".join(
+            f"; level {lv} was predicted to fit, but its {c.explain()}"
+            for lv, c in self.rejected.items()
+        )
         if self.level is None:
             best = min(self.predicted_peak, key=self.predicted_peak.__getitem__)
             return (
                 f"no level fits {format_bytes(self.budget_bytes)} at batch {self.batch_size} "
                 f"(margin {self.margin:.0%}): the smallest predicted peak is "
-                f"{format_bytes(self.smallest_peak)} at level {best}. Lower the batch size or "
-                "raise the budget."
+                f"{format_bytes(self.smallest_peak)} at level {best}{rejected}. Lower the "
+                "batch size or raise the budget."
             )
         peak = self.predicted_peak[self.level]
+        checked = f"; {self.check.explain()}" if self.check is not None else ""
         return (
             f"level {self.level} fits: predicted peak {format_bytes(peak)}"
             f" at batch {self.batch_size}, budget {format_bytes(self.budget_bytes)} "
-            f"(margin {self.margin:.0%})"
+            f"(margin {self.margin:.0%}){checked}{rejected}"
         )
 
 
@@ -262,6 +285,7 @@ def profile(
         input_shape=tuple(example_input.shape),
         device=str(work.device),
         steps=steps,
+        meter=meter_for(work.device).name,
     )
     by_level: dict[int, LevelProfile] = {}
     with model_restored(model, optimizer), applied(model, following_global(config)) as plan:
@@ -300,9 +324,9 @@ def profile(
 def _profile_level(entry: LevelProfile, work: Workload, steps: int, flops: bool) -> None:
     """Measure one level at the example's batch, at the training level in force."""
     x = work.example
-    peak, activation, saved, cuda_peak = measure_memory(work, x)
-    entry.peak_bytes, entry.activation_bytes, entry.saved_bytes = peak, activation, saved
-    entry.cuda_peak_bytes = cuda_peak
+    step = measure_memory(work, x)
+    entry.peak_bytes, entry.activation_bytes, entry.saved_bytes = step[:3]
+    entry.cuda_peak_bytes, entry.cuda_reserved_bytes = step.allocated, step.reserved
     if flops:
         entry.backward_flops = measure_flops(work, x)
     entry.step_time_s = measure_time(work, x, steps)
@@ -335,8 +359,12 @@ def suggest_level(
     """The lowest uniform training level whose predicted step peak fits ``budget``.
 
     Each level is measured at two small batch sizes and its peak extrapolated to ``batch_size``
-    (see NOTE [ Measuring without the memory of the largest level ]); the target batch itself is
-    never run. A level fits when ``predicted * (1 + margin) <= budget``.
+    (see NOTE [ Measuring without the memory of the largest level ]). A level fits when
+    ``predicted * (1 + margin) <= budget``. On CUDA the peaks are the allocator's
+    (``max_memory_allocated`` of warmed-up steps) and the lowest level predicted to fit is then
+    run once at ``batch_size`` to confirm it; if its real step allocates more than ``budget``,
+    the next level predicted to fit is tried (NOTE [ Two meters ] in ``vision_ckpt._measure``).
+    Elsewhere the target batch is never run.
 
     Args:
         model: the model (training mode), on its device.
@@ -369,21 +397,38 @@ def suggest_level(
         raise ConfigError(f"batch_size={batch_size} is not valid; expected a positive integer")
     predicted: dict[int, int] = {}
     measured: dict[int, list[tuple[int, int]]] = {}
+    reserved: dict[int, list[tuple[int, int]]] = {}
+    chosen_level: int | None = None
+    check: FitCheck | None = None
+    rejected: dict[int, FitCheck] = {}
     with model_restored(model, optimizer):
         with applied(model, following_global(config)):
-            measure = peak_measurer(work)
             for level in sorted(chosen, reverse=True):  # cheapest in memory first
+                readings: list[tuple[int, StepMemory]] = []
                 with training_level(level):
                     predicted[level], measured[level] = extrapolated_peak(
-                        measure, target, budget_bytes
+                        peak_measurer(work, readings), target, budget_bytes
                     )
-    fitting = [lv for lv in chosen if predicted[lv] * (1 + margin) <= budget_bytes]
+                reserved[level] = [(b, r.reserved) for b, r in readings if r.reserved is not None]
+            # The lowest level predicted to fit whose real step at the target fits too (on CUDA;
+            # elsewhere the prediction is the answer): NOTE [ Two meters ] in _measure.
+            for level in (lv for lv in chosen if predicted[lv] * (1 + margin) <= budget_bytes):
+                with training_level(level):
+                    result = confirm_fits(work, budget_bytes, target)
+                if result is None or result.fits:
+                    chosen_level, check = level, result
+                    break
+                rejected[level] = result
     return Suggestion(
-        level=fitting[0] if fitting else None,
+        level=chosen_level,
         budget_bytes=budget_bytes,
         margin=margin,
         batch_size=target,
         predicted_peak=dict(sorted(predicted.items())),
         measured=dict(sorted(measured.items())),
         smallest_peak=min(predicted.values()),
+        meter=meter_for(work.device).name,
+        reserved={lv: r for lv, r in sorted(reserved.items()) if r},
+        check=check,
+        rejected=rejected,
     )

@@ -2,8 +2,10 @@
 
 Everything here runs real training steps (forward, loss, backward, optionally an optimizer step)
 of the user's model on the user's input and counts memory in bytes of live tensor storage (see
-``vision_ckpt._memory``), so the figures on CPU are the same on every run. On CUDA the CUDA
-allocator's peak is reported beside them.
+``vision_ckpt._memory``), so the figures on CPU are the same on every run. On CUDA the budget
+questions are decided on the CUDA allocator's ``max_memory_allocated`` of real warmed-up steps,
+``max_memory_reserved`` is reported beside it, and a plan predicted to fit is confirmed by a real
+step at the target batch (NOTE [ Two meters ] in ``vision_ckpt._measure``).
 
 NOTE [ Measuring without the memory of the largest level ]
 
@@ -25,7 +27,7 @@ peak from smaller ones), ``vision_ckpt._search`` (uniform levels: :func:`profile
 
 from __future__ import annotations
 
-from ._measure import LossFn as LossFn, default_loss as default_loss
+from ._measure import FitCheck as FitCheck, LossFn as LossFn, default_loss as default_loss
 from ._planner import (
     STRATEGIES as STRATEGIES,
     BudgetPlan as BudgetPlan,
@@ -46,6 +48,7 @@ __all__ = [
     "ProfileResult",
     "Suggestion",
     "BudgetPlan",
+    "FitCheck",
     "profile",
     "suggest_level",
     "plan_for_budget",
