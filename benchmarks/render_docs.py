@@ -247,24 +247,37 @@ def _planner_section(key: str, rows: list[dict]) -> list[str]:
     return lines
 
 
+def _scalar(v: Any) -> bool:
+    return isinstance(v, (int, float, str, bool, type(None)))
+
+
+def _tables(data: Any, where: str = "") -> Iterable[tuple[str, list[dict]]]:
+    """Every list of records in ``data``, with the path of keys that leads to it."""
+    if isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
+        yield where, data
+    elif isinstance(data, dict):
+        for k, v in data.items():
+            yield from _tables(v, f"{where}.{k}" if where else str(k))
+
+
 def _generic_section(key: str, data: Any) -> list[str]:
-    """A results file of a shape this script does not know: its command and its rows' scalar
-    fields, as they are."""
+    """A results file of a shape this script does not know: what it records about its run
+    (the top-level plain fields: command, device, threads, ...), and every list of records
+    in it as a table of their plain fields, as they are."""
     head = data if isinstance(data, dict) else {}
-    rows = head.get("rows", data if isinstance(data, list) else [])
-    keys = ("command", "environment", "clock", "meter")
-    lines = [f"- {k}: `{head[k]}`" for k in keys if k in head]
-    if not lines:
-        lines = ["- command, clock and meter: not recorded in the file"]
-    scalars = [
-        k
-        for k in (rows[0] if rows and isinstance(rows[0], dict) else {})
-        if isinstance(rows[0][k], (int, float, str, bool, type(None)))
-    ]
-    if scalars:
-        lines += ["", "| " + " | ".join(scalars) + " |", "|" + "---|" * len(scalars)]
+    lines = [f"- {k}: `{v}`" for k, v in head.items() if _scalar(v) or k == "command"]
+    if not any(k in head for k in ("command", "clock", "meter")):
+        lines.append("- command, clock and meter: only what the fields above record")
+    for where, rows in _tables(data):
+        cols = [k for k in rows[0] if _scalar(rows[0][k])]
+        if not cols:
+            continue
+        lines += ["", f"`{where}`:", ""] if where else [""]
+        lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in rows:
-            cells = [f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in scalars]
+            cells = [
+                f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k)) for k in cols
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -764,6 +777,10 @@ def rendered(part: str) -> tuple[Path, str]:
     raise SystemExit(f"unknown part {part!r}; expected one of {', '.join(PARTS)}")
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a file would change")
@@ -776,10 +793,10 @@ def main(argv: list[str] | None = None) -> int:
         if old == text:
             continue
         if args.check:
-            stale.append(str(path.relative_to(ROOT)))
+            stale.append(_shown(path))
         else:
             path.write_text(text)
-            print(f"wrote {path.relative_to(ROOT)}")
+            print(f"wrote {_shown(path)}")
     if stale:
         print(
             f"out of date: {', '.join(stale)}; run python benchmarks/render_docs.py",

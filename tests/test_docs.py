@@ -1,0 +1,136 @@
+"""The documentation: rendered parts fresh, the README's promises kept, every relative link
+resolving to a file.
+
+The rendered parts (docs/benchmarks.md, the README's frontier table, the preset tables of
+docs/presets.md) come from ``benchmarks/render_docs.py``; regenerate them with
+``python benchmarks/render_docs.py`` when a test here says they are out of date.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from importlib.metadata import version
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+SETUP_COMMANDS = (
+    "pip install -e . && vision-ckpt profile --model vit_small_patch16_224 --batch-size 8 "
+    "--steps 2",
+    'pip install -e ".[dev]" && python -m pytest -q',
+)
+DOCS = [
+    README,
+    ROOT / "CHANGELOG.md",
+    ROOT / "ARCHITECTURE.md",
+    ROOT / "configs" / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+]
+
+
+@pytest.fixture(scope="module")
+def render_docs() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "render_docs", ROOT / "benchmarks" / "render_docs.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stale(render_docs: ModuleType, part: str) -> str:
+    path, text = render_docs.rendered(part)
+    if path.read_text() == text:
+        return ""
+    return (
+        f"{path.relative_to(ROOT)} is out of date with its source: run "
+        "python benchmarks/render_docs.py"
+    )
+
+
+def test_benchmarks_doc_is_rendered_from_the_results(render_docs: ModuleType) -> None:
+    assert not _stale(render_docs, "benchmarks"), _stale(render_docs, "benchmarks")
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    for path in sorted((ROOT / "benchmarks" / "results").glob("**/*.json")):
+        assert str(path.relative_to(ROOT)) in text, f"{path} has no section"
+
+
+def test_readme_frontier_table_is_rendered(render_docs: ModuleType) -> None:
+    assert not _stale(render_docs, "readme"), _stale(render_docs, "readme")
+
+
+def test_presets_doc_is_rendered_from_plan(render_docs: ModuleType) -> None:
+    text = (ROOT / "docs" / "presets.md").read_text()
+    # Module names come from the model libraries: at other versions the tables may differ
+    # without any preset having changed.
+    libs = ("timm", "torchvision", "transformers", "segmentation_models_pytorch", "monai")
+    for lib in libs:
+        if f"{lib} {version(lib)}" not in text:
+            pytest.skip(f"docs/presets.md was rendered with another {lib} than {version(lib)}")
+    assert not _stale(render_docs, "presets"), _stale(render_docs, "presets")
+
+
+def test_check_mode_fails_on_a_stale_file(
+    render_docs: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    stale = tmp_path / "benchmarks.md"
+    stale.write_text(render_docs.render_benchmarks().replace("| L3 |", "| L3 (edited) |", 1))
+    monkeypatch.setattr(render_docs, "BENCHMARKS_MD", stale)
+    assert render_docs.main(["--check", "--only", "benchmarks"]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert render_docs.main(["--only", "benchmarks"]) == 0  # rewrites it
+    assert render_docs.main(["--check", "--only", "benchmarks"]) == 0
+
+
+def test_a_results_file_of_unknown_shape_still_gets_a_section(
+    render_docs: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "gpu_run"
+    run.mkdir()
+    rows = [{"model": "resnet50", "level": 3, "allocated_mb": 812.5}]
+    (run / "results.json").write_text(
+        json.dumps({"command": "python benchmarks/x.py --device cuda", "rows": rows})
+    )
+    monkeypatch.setattr(render_docs, "RESULTS", tmp_path)
+    text = render_docs.render_benchmarks()
+    assert "## `gpu_run`" in text
+    assert "`python benchmarks/x.py --device cuda`" in text
+    assert "| resnet50 | 3 | 812.5 |" in text
+
+
+def test_readme_is_a_manual() -> None:
+    text = README.read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; the limit is 300"
+    for command in SETUP_COMMANDS:
+        assert command in text, f"README.md lost the set-up command {command!r}"
+    for lab_log in ("What changed last", "Before that"):
+        assert lab_log not in text, f"README.md carries run history ({lab_log!r})"
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -e ".[dev]"' in ci
+    assert "python -m pytest -q" in ci
+
+
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc: Path) -> None:
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)  # links in code are not links
+    broken = []
+    for target in _LINK.findall(text):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = target.split("#", 1)[0]
+        if not (doc.parent / path).exists():
+            broken.append(target)
+    assert not broken, f"{doc.relative_to(ROOT)}: links to missing files: {broken}"
