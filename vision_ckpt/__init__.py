@@ -68,6 +68,15 @@ if TYPE_CHECKING:
         plan as plan,
         remove as remove,
     )
+    from .fit import (
+        FitResult as FitResult,
+        FitRow as FitRow,
+        max_batch as max_batch,
+    )
+    from .models import (
+        ModelSpecError as ModelSpecError,
+        build_model as build_model,
+    )
     from .presets import (
         list_presets as list_presets,
         load_preset as load_preset,
@@ -102,6 +111,11 @@ _LAZY: dict[str, str] = {
     "apply_preset": "apply",
     "plan": "apply",
     "remove": "apply",
+    "FitResult": "fit",
+    "FitRow": "fit",
+    "max_batch": "fit",
+    "ModelSpecError": "models",
+    "build_model": "models",
     "list_presets": "presets",
     "load_preset": "presets",
     "preset_for_model": "presets",
@@ -158,6 +172,11 @@ __all__ = [
     "LevelProfile",
     "Suggestion",
     "BudgetPlan",
+    "max_batch",
+    "FitResult",
+    "FitRow",
+    "build_model",
+    "ModelSpecError",
 ]
 
 

@@ -1,7 +1,9 @@
 """The ``vision-ckpt`` command line: the only code in vision_ckpt that prints or exits.
 
 Subcommands: ``profile`` (memory and time per level), ``plan`` (which modules a level
-checkpoints), ``suggest`` (a level for a memory budget), ``presets`` and ``schema``.
+checkpoints), ``suggest`` (a level for a memory budget), ``fit`` (the largest batch per level
+for a memory budget), ``presets`` and ``schema``. ``--model`` takes a timm name or a factory
+spec (``vision_ckpt.models``), ``--input-shape`` one sample's C,H,W or C,D,H,W.
 Every error is one line on stderr and a non-zero exit code: 2 for bad arguments or configs,
 1 when the measurement itself fails (and for ``suggest`` when no level fits).
 """
@@ -9,7 +11,6 @@ Every error is one line on stderr and a non-zero exit code: 2 for bad arguments 
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import sys
 from pathlib import Path
@@ -48,37 +49,55 @@ def _level_range(text: str) -> list[int]:
     return sorted(levels)
 
 
-def _create_model(name: str, img_size: int | None, device: str) -> Any:
-    import timm
+def _create_model(args: argparse.Namespace, device: str) -> Any:
     import torch
 
-    if not timm.is_model(name):
-        close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
-        hint = f"; did you mean: {', '.join(close)}?" if close else ""
-        raise _UsageError(f"unknown timm model {name!r}{hint} (see timm.list_models())")
-    kwargs: dict[str, Any] = {"pretrained": False}
-    model = None
-    if img_size is not None:
-        try:
-            model = timm.create_model(name, img_size=img_size, **kwargs)
-        except TypeError:
-            model = None  # the family takes any input size
-    if model is None:
-        model = timm.create_model(name, **kwargs)
+    from .models import build_model, parse_input_shape
+
     if device == "cuda" and not torch.cuda.is_available():
         raise _UsageError("--device cuda was given but torch sees no CUDA device")
-    return model.to(device)
+    img_size = args.img_size
+    if img_size is None and getattr(args, "input_shape", None) is not None:
+        shape = parse_input_shape(args.input_shape)
+        if len(shape) == 3 and shape[1] == shape[2]:
+            img_size = shape[1]  # a timm ViT sizes its position table for it
+    return build_model(args.model, img_size=img_size).to(device)
 
 
-def _input_for(model: Any, batch_size: int, img_size: int | None, device: str) -> Any:
+def _input_shape(args: argparse.Namespace, model: Any, console: Any = None) -> tuple[int, ...]:
+    """``--input-shape``, else ``--img-size`` on the model's channels, else what the model says
+    it takes; a model that says nothing gets 3,224,224 with a note (a MONAI network must be
+    told: it may be 2D or 3D)."""
+    from .models import default_input_shape, parse_input_shape, parse_spec
+
+    if args.input_shape is not None:
+        if args.img_size is not None:
+            raise _UsageError("give --input-shape or --img-size, not both")
+        return parse_input_shape(args.input_shape)
+    known = default_input_shape(model)
+    if args.img_size is not None:
+        channels = known[0] if known else 3
+        return (channels, args.img_size, args.img_size)
+    if known is not None:
+        return known
+    if parse_spec(args.model).library == "monai":
+        raise _UsageError(
+            f"--model {args.model!r} does not say what input it takes; give --input-shape "
+            "C,D,H,W for a 3D network (e.g. 1,96,96,96) or C,H,W for a 2D one"
+        )
+    if console is not None:
+        console.print(
+            f"note: {type(model).__name__} does not say what input it takes; using 3,224,224 "
+            "(give --input-shape C,H,W or C,D,H,W)"
+        )
+    return (3, 224, 224)
+
+
+def _input_for(shape: tuple[int, ...], batch_size: int, device: str) -> Any:
     import torch
 
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    channels, height, width = cfg.get("input_size", (3, 224, 224))
-    if img_size is not None:
-        height = width = img_size
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(batch_size, channels, height, width, generator=generator).to(device)
+    return torch.randn(batch_size, *shape, generator=generator).to(device)
 
 
 def _load_config(path: str | None) -> Any:
@@ -190,9 +209,11 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     levels = _level_range(args.levels)
     config = _load_config(args.config)
-    model = _create_model(args.model, args.img_size, args.device)
-    x = _input_for(model, args.batch_size, args.img_size, args.device)
+    from .models import output_loss
+
+    model = _create_model(args, args.device)
     console = _console()
+    x = _input_for(_input_shape(args, model, console), args.batch_size, args.device)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"profiling {args.model}", total=len(levels))
 
@@ -209,6 +230,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             memory_limit=args.memory_limit,
             on_level=advance,
             model_name=args.model,
+            loss_fn=output_loss,
         )
     console.print(_profile_table(result))
     planned: list[dict[str, Any]] = []
@@ -216,7 +238,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         from .profile import planner_frontier
 
         with console.status(f"pricing the blocks of {args.model} for the per-block planner"):
-            planned = planner_frontier(model, x, config=config)
+            planned = planner_frontier(model, x, config=config, loss_fn=output_loss)
         console.print(_frontier_table(result, planned))
     if args.json:
         data = result.to_dict()
@@ -257,7 +279,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .wrapper import training_level
 
     config = _load_config(args.config) or CheckpointConfig(preset="auto")
-    model = _create_model(args.model, args.img_size, "cpu")
+    model = _create_model(args, "cpu")
     with training_level(args.level):
         plan = make_plan(model, config.model_copy(update={"training_checkpoint_level": None}))
         _console().print(str(plan))
@@ -265,16 +287,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_suggest(args: argparse.Namespace) -> int:
+    from .models import output_loss
     from .profile import plan_for_budget, profile, suggest_level
 
     config = _load_config(args.config)
-    model = _create_model(args.model, args.img_size, args.device)
-    small = max(2, args.batch_size // 4)
-    x = _input_for(model, small, args.img_size, args.device)
-    suggestion = suggest_level(
-        model, x, args.budget, batch_size=args.batch_size, config=config, margin=args.margin
-    )
+    model = _create_model(args, args.device)
     console = _console()
+    small = max(2, args.batch_size // 4)
+    x = _input_for(_input_shape(args, model, console), small, args.device)
+    suggestion = suggest_level(
+        model,
+        x,
+        args.budget,
+        batch_size=args.batch_size,
+        config=config,
+        margin=args.margin,
+        loss_fn=output_loss,
+    )
     from rich.table import Table
 
     table = Table(title=f"{args.model}: predicted step peak at batch {args.batch_size}")
@@ -291,13 +320,21 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
         return 0 if suggestion.fits else 1
 
     result = plan_for_budget(
-        model, x, args.budget, batch_size=args.batch_size, config=config, margin=args.margin
+        model,
+        x,
+        args.budget,
+        batch_size=args.batch_size,
+        config=config,
+        margin=args.margin,
+        loss_fn=output_loss,
     )
     uniform_time = None
     if suggestion.level is not None and result.base_time:
         # the uniform level's time, as its ratio to level 0 at the small batch
         levels = sorted({0, suggestion.level})
-        ratios = profile(model, x, levels=levels, config=config, steps=1, flops=False)
+        ratios = profile(
+            model, x, levels=levels, config=config, steps=1, flops=False, loss_fn=output_loss
+        )
         ratio = ratios.level(suggestion.level).time_ratio or 1.0
         uniform_time = result.base_time * ratio
     plan_table = Table(title=f"per-block plan for {_fmt_bytes(result.budget_bytes)}")
@@ -348,6 +385,98 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
     return 0 if (result.config is not None or suggestion.fits) else 1
 
 
+def _cmd_fit(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .fit import max_batch
+
+    levels = _level_range(args.levels)
+    config = _load_config(args.config)
+    try:
+        batches = tuple(int(v) for v in args.batches.split(","))
+    except ValueError:
+        raise _UsageError(
+            f"--batches {args.batches!r} is not a list of batch sizes; write e.g. '2,3,4'"
+        ) from None
+    model = _create_model(args, args.device)
+    console = _console()
+    shape = _input_shape(args, model, console)
+    with console.status(f"measuring {args.model} at batches {args.batches}") as status:
+
+        def progress(row: Any) -> None:
+            status.update(f"measuring {args.model}: {row.label} done")
+
+        result = max_batch(
+            model,
+            shape,
+            args.budget,
+            levels=levels,
+            include_own_switch=not args.no_own_switch,
+            planner=args.planner,
+            config=config,
+            batches=batches,
+            margin=args.margin,
+            time_steps=args.steps,
+            model_name=args.model,
+            on_row=progress,
+        )
+    table = Table(
+        title=(
+            f"{args.model}: largest batch in {_fmt_bytes(result.budget_bytes)}, input "
+            f"{tuple(result.input_shape)}, {result.device}"
+        )
+    )
+    for column in ("", "largest batch", "predicted peak", "time / sample", "linear"):
+        table.add_column(column, justify="right")
+    table.add_column("note")
+    best = result.best_level()
+    for row in result.rows:
+        error = "-" if row.linear_error is None else f"{row.linear_error:.2%} off"
+        table.add_row(
+            row.label + (" (best)" if row is best else ""),
+            "-" if row.max_batch is None else str(row.max_batch),
+            _fmt_bytes(row.predicted_peak),
+            "-" if row.time_per_sample_s is None else f"{row.time_per_sample_s * 1000:.1f} ms",
+            ("yes, " if row.linear else "NO, ") + error,
+            row.note,
+        )
+    table.caption = (
+        f"Predicted from steps at batches {', '.join(map(str, result.batches))} (bytes per "
+        "operator are lines in the batch; 'linear' is how far the third batch's peak fell from "
+        "the first two's line); times are medians of small batches."
+    )
+    console.print(table)
+    console.print(result.explain())
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        _plot_fit(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0 if best is not None else 1
+
+
+def _plot_fit(result: Any, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.rows if r.max_batch is not None]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    labels = [r.label.replace("own switch ", "own switch\n") for r in rows]
+    colors = ["tab:blue" if r.level is not None else "tab:orange" for r in rows]
+    bars = ax.bar(range(len(rows)), [r.max_batch for r in rows], color=colors)
+    ax.bar_label(bars, [str(r.max_batch) for r in rows], fontsize=8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("largest batch that fits")
+    ax.set_title(f"{result.model}: largest batch in {_fmt_bytes(result.budget_bytes)}", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def _config_data(config: Any) -> dict[str, Any]:
     """A config as plain data that ``CheckpointConfig.from_file`` reads back."""
     return config.model_dump(mode="json", exclude_defaults=True)
@@ -381,9 +510,24 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def model_args(p: argparse.ArgumentParser, batch: int | None) -> None:
-        p.add_argument("--model", required=True, help="a timm model name, e.g. convnext_tiny")
+        p.add_argument(
+            "--model",
+            required=True,
+            help="a timm name (convnext_tiny) or a factory spec such as "
+            "'smp:Unet(encoder_name=\"resnet34\", classes=2)', "
+            "'monai:SwinUNETR(in_channels=1, out_channels=2)', "
+            "'hf:ViTForImageClassification(ViTConfig(num_hidden_layers=4))', "
+            "'torchvision:deeplabv3_resnet50(num_classes=21)' or 'package.module:function(...)' "
+            "(see docs/cli.md)",
+        )
         if batch is not None:
             p.add_argument("--batch-size", type=int, default=batch, help="batch size")
+        p.add_argument(
+            "--input-shape",
+            default=None,
+            help="one sample, C,H,W or C,D,H,W (default: the model's own, e.g. timm's "
+            "input_size; 3,224,224 with a note when it has none)",
+        )
         p.add_argument("--img-size", type=int, default=None, help="input height and width")
         p.add_argument("--config", default=None, help="a checkpoint config (.yaml/.yml/.json)")
 
@@ -420,6 +564,30 @@ def _parser() -> argparse.ArgumentParser:
         "--uniform-only", action="store_true", help="only the uniform levels, no per-block plan"
     )
     p.set_defaults(run=_cmd_suggest)
+
+    p = sub.add_parser(
+        "fit", help="the largest batch that fits a memory budget, at each level and own switch"
+    )
+    model_args(p, None)
+    p.add_argument("--budget", required=True, help="memory budget, e.g. 24GiB or '24 GB'")
+    p.add_argument("--levels", default="0-5", help="levels to measure, e.g. 0-5 or 0,3,5")
+    p.add_argument(
+        "--batches", default="2,3,4", help="small batches measured (the third checks linearity)"
+    )
+    p.add_argument("--steps", type=int, default=1, help="timed steps per batch (0: no timing)")
+    p.add_argument("--margin", type=float, default=0.0, help="share of the budget kept free")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--no-own-switch", action="store_true", help="skip the model library's own switch"
+    )
+    p.add_argument(
+        "--planner",
+        action="store_true",
+        help="also the per-block planner at the best level's batch (measures 1/8 and 1/4 of it)",
+    )
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--plot", default=None, help="write a bar chart of batch per level (PNG)")
+    p.set_defaults(run=_cmd_fit)
 
     p = sub.add_parser("presets", help="list the bundled presets")
     p.add_argument("filter", nargs="?", default=None, help="a glob on preset names")
