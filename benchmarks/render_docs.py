@@ -307,7 +307,8 @@ Rendered by `python benchmarks/render_docs.py` from `benchmarks/results/**/*.jso
 results or the script, not this file (`tests/test_docs.py` fails when they differ). Each
 section names its command, clock, allocator and memory meter once.
 
-Two memory meters appear, and where they disagree both are shown:
+The bench scripts' memory meters, both shown where they disagree (a results file of another
+kind names its meter in the fields its section lists):
 
 - **storage**: bytes of live tensor storage, counted by vision_ckpt's own tracker
   (`vision_ckpt._memory.track_peak_memory`); deterministic;
@@ -316,10 +317,8 @@ Two memory meters appear, and where they disagree both are shown:
   read higher where those occur, and they are the only meter that sees a compiled step.
 
 Times are ratios to no checkpointing in the same process, medians of per-round ratios over
-interleaved rounds; CPU only (no GPU has measured these files). The benchmark scripts that
-have no results file here (`bench_core.py`, `bench_nesting.py`, `bench_presets.py`,
-`bench_profile.py`, `where_peak.py`) print their tables when run; each says its command in its
-docstring.
+interleaved rounds. Every script in `benchmarks/` gives the command that reproduces it in its
+docstring; the ones without a results file here print their tables when run.
 """
 
 
