@@ -687,7 +687,10 @@ def _preset_table(name: str, label: str, model: Any) -> list[str]:
     from vision_ckpt.presets import preset_family
 
     family = preset_family(name)
-    classes = ", ".join(f"`{c.rsplit('.', 1)[-1]}`" for c in family.classes)
+    classes = ", ".join(
+        [f"`{c.rsplit('.', 1)[-1]}`" for c in family.classes]
+        + [f"`{c.rsplit('.', 1)[-1]}` named `{pattern}`" for c, pattern in family.architectures]
+    )
     lines = [f"### `{name}`", ""]
     if classes:
         lines.append(f"For {classes}. Plan of {label}.")
