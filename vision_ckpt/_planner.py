@@ -23,12 +23,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._extrapolate import extrapolated_peak, peak_measurer, small_batches
 from ._measure import (
+    FitCheck,
     LossFn,
     Workload,
     applied,
+    confirm_fits,
     default_loss,
     following_global,
     model_restored,
+    run_step,
     step_time as measure_step_time,
 )
 from ._memory import count_saved_bytes, format_bytes
@@ -41,7 +44,14 @@ from .levels import Level
 from .matching import exact_name_pattern
 from .wrapper import HEAVY_OPS, SaveOps, training_level
 
-__all__ = ["BudgetPlan", "plan_for_budget", "planner_frontier", "resolve_auto", "STRATEGIES"]
+__all__ = [
+    "BudgetPlan",
+    "plan_for_budget",
+    "planner_frontier",
+    "resolve_auto",
+    "level_signature",
+    "STRATEGIES",
+]
 
 STRATEGIES: tuple[str, ...] = ("keep", "selective", "full", "nested", "stage")
 """The menu of a block: ``keep`` (no checkpoint), ``selective`` (keep the outputs of
@@ -95,9 +105,35 @@ class BudgetPlan:
     """Wall time the planning took, ``measure_seconds`` + the check."""
     measure_seconds: float = 0.0
     """Of which: pricing the blocks' menus and level 0's peak (the rest measured the answers)."""
+    uniform: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Per uniform training level: ``peak`` (predicted at ``batch_size``), ``fits`` and, for one
+    that fits, ``time``: its step time measured at the small batches and extrapolated, the way
+    ``step_time`` is (NOTE [ Never slower than a uniform level ])."""
+    uniform_level: int | None = None
+    """The uniform level returned instead of a per-block plan (it fits and no per-block plan was
+    faster); ``None`` when ``config`` is a per-block plan (or nothing fits)."""
+    step_time: float | None = None
+    """The returned config's step time at ``batch_size``, measured and extrapolated like each
+    uniform level's ``time``: the figure the two are compared on."""
+    per_block: BudgetPlan | None = None
+    """When ``uniform_level`` is returned: the per-block plan it beat (``None`` if none fit)."""
+    check: FitCheck | None = None
+    """The real step at ``batch_size`` that confirmed the answer where the device needs one
+    (CUDA); ``None`` on CPU, where the prediction extrapolates the deterministic byte count."""
+
+    def fastest_uniform(self) -> int | None:
+        """The fitting uniform level with the shortest step time, or ``None``."""
+        fitting = [lv for lv, u in self.uniform.items() if u["fits"] and u["time"] is not None]
+        return min(fitting, key=lambda lv: (self.uniform[lv]["time"], lv), default=None)
 
     def explain(self) -> str:
         """One line: what was chosen and what it is predicted to cost."""
+        if self.uniform_level is not None:
+            return (
+                f"level {self.uniform_level} (uniform) fits and no per-block plan was faster: "
+                f"predicted peak {format_bytes(self.predicted_peak)} at batch {self.batch_size} "
+                f"(budget {format_bytes(self.budget_bytes)})"
+            )
         if self.config is None:
             return (
                 f"no plan fits {format_bytes(self.budget_bytes)} at batch {self.batch_size}: "
@@ -635,6 +671,70 @@ def _check_menu(strategies: Sequence[str]) -> tuple[str, ...]:
     return menu
 
 
+# NOTE [ Never slower than a uniform level ]
+#
+# The per-block program prices blocks in its own model (NOTE [ Pricing the strategies of a
+# block ]); a uniform level is a different set of regions (a preset's lean MLPs, nested
+# halves, whole stages), which that model cannot price. A uniform level that fits is always a
+# valid answer, so the planner must never return something predicted slower than the fastest
+# one. Both are therefore put on one scale: the step time of the config, measured at the two
+# small batches (after a warm-up step each) and extrapolated in proportion to the batch (as
+# ``base_time`` is). Every uniform level's peak is predicted as in ``suggest_level``; among those
+# that fit, the fastest is compared with the per-block plan, and the faster of the two is
+# returned (a tie goes to the plan). Levels that run the same regions as a higher level
+# (``level_signature``) are measured once. Recomputation only adds work, so no config is
+# faster than the step with no checkpointing (``base_time``, measured the same way): a time
+# under it is timing noise and is read as ``base_time``. Without that floor, noise would pick a
+# checkpointed level over no checkpointing at a budget where nothing needs checkpointing.
+
+
+def level_signature(plan: Any, level: int) -> tuple[Any, ...]:
+    """What a training level runs under ``plan``: per entry, its rung in force, lean MLP and
+    grouping; two levels with equal signatures run the same step."""
+    at = plan.at_level(level)
+    return tuple(
+        (
+            e.name,
+            str(e.rung_at(level)) if e.checkpointed else None,
+            e.lean_at(level),
+            level in e.holds_several,
+        )
+        for e in at.entries
+    )
+
+
+def _step_seconds(work: Workload, target: int) -> float:
+    """The step time at ``target`` of what is applied now: measured at the small batches after a
+    warm-up each, proportional to the batch."""
+    points = []
+    for b in small_batches(target):
+        x = work.batch(b)
+        run_step(work, x)  # warm-up
+        points.append((b, measure_step_time(work, x)))
+    return _proportional(points, target)
+
+
+def _uniform_levels(
+    work: Workload, target: int, base: CheckpointConfig, goal: int, limit: int, floor: float
+) -> dict[int, dict[str, Any]]:
+    """Per uniform level: predicted peak, whether it fits ``goal``, and its step time if so."""
+    out: dict[int, dict[str, Any]] = {}
+    seen: dict[tuple[Any, ...], int] = {}
+    with applied(work.model, base) as plan:
+        for level in range(5, -1, -1):  # cheapest in memory first
+            signature = level_signature(plan, level)
+            if signature in seen:
+                out[level] = dict(out[seen[signature]])
+                continue
+            seen[signature] = level
+            with training_level(level):
+                peak = extrapolated_peak(peak_measurer(work), target, limit)[0]
+                fits = peak <= goal
+                seconds = max(floor, _step_seconds(work, target)) if fits else None
+            out[level] = {"peak": peak, "fits": fits, "time": seconds}
+    return dict(sorted(out.items()))
+
+
 def plan_for_budget(
     model: torch.nn.Module,
     example_input: torch.Tensor,
@@ -667,7 +767,8 @@ def plan_for_budget(
         strategies: the menu (a subset of :data:`STRATEGIES`; ``keep`` is always on it).
 
     Returns:
-        A :class:`BudgetPlan`; its ``config`` is ``None`` when nothing on the menu fits.
+        A :class:`BudgetPlan`; its ``config`` is ``None`` when nothing fits, neither a plan
+        of the menu nor a uniform level.
 
     >>> import timm, torch
     >>> model = timm.create_model("resnet18", pretrained=False, num_classes=10)
@@ -692,6 +793,7 @@ def plan_for_budget(
         rounds = 0
         smallest = menus.peak0
         tried: set[tuple[str, ...]] = set()
+        checks: dict[tuple[str, ...], FitCheck | None] = {}
 
         def measure(key: tuple[str, ...]) -> tuple[dict[str, str], int]:
             """Block -> strategy of ``key`` and its extrapolated peak (level 0's if none)."""
@@ -702,6 +804,16 @@ def plan_for_budget(
                 return chosen, menus.peak0
             with applied(model, menus.config_for(chosen)):
                 measured = extrapolated_peak(step_peak, target, budget_bytes)[0]
+                if measured <= goal:
+                    # on CUDA a real step at the target decides (NOTE [ Two meters ], _measure)
+                    check = confirm_fits(work, budget_bytes, target)
+                    checks[key] = check
+                    if check is not None and not check.fits:
+                        measured = (
+                            check.allocated_bytes
+                            if check.allocated_bytes is not None
+                            else max(measured, budget_bytes) + 1
+                        )
             rounds += 1
             smallest = min(smallest, measured)
             return chosen, measured
@@ -727,6 +839,29 @@ def plan_for_budget(
             chosen, measured = measure(key)
             if measured <= goal:
                 best = (least, chosen, measured)
+        base = following_global(config)
+        floor = menus.base_time
+        uniform = _uniform_levels(work, target, base, goal, budget_bytes, floor)
+        plan_time = None
+        if best is not None and all(v == "keep" for v in best[1].values()):
+            plan_time = floor  # no checkpointing: the plain step, base_time itself
+        elif best is not None:
+            with applied(model, menus.config_for(best[1])):
+                plan_time = max(floor, _step_seconds(work, target))
+        fastest = min(
+            (lv for lv, u in uniform.items() if u["fits"]),
+            key=lambda lv: (uniform[lv]["time"], lv),
+            default=None,
+        )
+        level_check: FitCheck | None = None
+        if fastest is not None and (plan_time is None or uniform[fastest]["time"] < plan_time):
+            with applied(model, base) as level_plan, training_level(fastest):
+                level_check = confirm_fits(work, budget_bytes, target)
+                checkpointed = list(level_plan.at_level(fastest).checkpointed)
+            if level_check is not None and not level_check.fits:
+                fastest = None  # the real step did not fit: keep the per-block plan
+        else:
+            fastest = None
     common: dict[str, Any] = {
         "budget_bytes": budget_bytes,
         "batch_size": target,
@@ -736,26 +871,46 @@ def plan_for_budget(
         "base_bytes": menus.base,
         "rounds": rounds,
         "measure_seconds": measured_in,
+        "uniform": uniform,
     }
     if best is None:
-        return BudgetPlan(
-            config=None,
-            blocks=[],
-            predicted_peak=smallest,
+        per_block = None
+    else:
+        choice, chosen, measured = best
+        per_block = BudgetPlan(
+            config=menus.config_for(chosen),
+            blocks=[n for n, s in chosen.items() if s != "keep"],
+            predicted_peak=measured,
+            strategies=chosen,
+            stages=[span.name for span in choice.spans],
+            predicted_time=menus.base_time + choice.time,
+            step_time=plan_time,
+            check=checks.get(tuple(chosen.values())),
             seconds=time.perf_counter() - started,
             **common,
         )
-    choice, chosen, measured = best
-    return BudgetPlan(
-        config=menus.config_for(chosen),
-        blocks=[n for n, s in chosen.items() if s != "keep"],
-        predicted_peak=measured,
-        strategies=chosen,
-        stages=[span.name for span in choice.spans],
-        predicted_time=menus.base_time + choice.time,
-        seconds=time.perf_counter() - started,
-        **common,
-    )
+    if fastest is not None:
+        return BudgetPlan(
+            config=base.model_copy(update={"training_checkpoint_level": Level(fastest)}),
+            blocks=checkpointed,
+            predicted_peak=uniform[fastest]["peak"],
+            predicted_time=uniform[fastest]["time"],
+            step_time=uniform[fastest]["time"],
+            uniform_level=fastest,
+            per_block=per_block,
+            check=level_check,
+            seconds=time.perf_counter() - started,
+            **common,
+        )
+    if per_block is None:
+        return BudgetPlan(
+            config=None,
+            blocks=[],
+            predicted_peak=min([smallest, *(u["peak"] for u in uniform.values())]),
+            seconds=time.perf_counter() - started,
+            **common,
+        )
+    return per_block
 
 
 def planner_frontier(

@@ -288,7 +288,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_suggest(args: argparse.Namespace) -> int:
     from .models import output_loss
-    from .profile import plan_for_budget, profile, suggest_level
+    from .profile import plan_for_budget, suggest_level
 
     config = _load_config(args.config)
     model = _create_model(args, args.device)
@@ -328,52 +328,60 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
         margin=args.margin,
         loss_fn=output_loss,
     )
-    uniform_time = None
-    if suggestion.level is not None and result.base_time:
-        # the uniform level's time, as its ratio to level 0 at the small batch
-        levels = sorted({0, suggestion.level})
-        ratios = profile(
-            model, x, levels=levels, config=config, steps=1, flops=False, loss_fn=output_loss
-        )
-        ratio = ratios.level(suggestion.level).time_ratio or 1.0
-        uniform_time = result.base_time * ratio
-    plan_table = Table(title=f"per-block plan for {_fmt_bytes(result.budget_bytes)}")
-    for column in ("", "predicted peak", "predicted step time", "checkpointed"):
+    fastest = result.fastest_uniform()
+    per_block = result if result.uniform_level is None else result.per_block
+    plan_table = Table(
+        title=f"fastest for {_fmt_bytes(result.budget_bytes)} at batch {args.batch_size}"
+    )
+    for column in ("", "predicted peak", "step time", "checkpointed", "answer"):
         plan_table.add_column(column, justify="right")
-    if suggestion.level is not None:
+    if fastest is not None:
+        level = result.uniform[fastest]
         plan_table.add_row(
-            f"level {suggestion.level} (uniform)",
-            _fmt_bytes(suggestion.predicted_peak[suggestion.level]),
-            _fmt_seconds(uniform_time),
+            f"level {fastest} (fastest uniform level that fits)",
+            _fmt_bytes(level["peak"]),
+            _fmt_seconds(level["time"]),
             "every block of the level",
+            "yes" if result.uniform_level == fastest else "",
         )
-    if result.config is not None:
+    if per_block is not None and per_block.config is not None:
         counts: dict[str, int] = {}
-        for strategy in result.strategies.values():
+        for strategy in per_block.strategies.values():
             counts[strategy] = counts.get(strategy, 0) + 1
         plan_table.add_row(
-            "plan",
-            _fmt_bytes(result.predicted_peak),
-            _fmt_seconds(result.predicted_time),
+            "per-block plan",
+            _fmt_bytes(per_block.predicted_peak),
+            _fmt_seconds(per_block.step_time),
             ", ".join(f"{n} {s}" for s, n in counts.items()),
+            "yes" if result.uniform_level is None else "",
         )
-    plan_table.add_row("no checkpointing", "", _fmt_seconds(result.base_time), "")
+    plan_table.add_row("no checkpointing", "", _fmt_seconds(result.base_time), "", "")
     plan_table.caption = (
-        f"planned in {result.seconds:.0f} s ({result.rounds} plan(s) measured); times are "
-        "predicted from small batches"
+        f"planned in {result.seconds:.0f} s ({result.rounds} plan(s) measured); step times are "
+        "measured at small batches and extrapolated, the same way for every row; the answer is "
+        "never slower than the fastest uniform level that fits"
     )
     console.print(plan_table)
     console.print(result.explain())
-    report["uniform"]["predicted_time_s"] = uniform_time
+    report["uniform"]["fastest_level"] = fastest
+    report["uniform"]["levels"] = {str(k): v for k, v in result.uniform.items()}
     report["plan"] = {
         "fits": result.config is not None,
+        "uniform_level": result.uniform_level,
         "predicted_peak": result.predicted_peak,
         "predicted_time_s": result.predicted_time,
+        "step_time_s": result.step_time,
         "base_time_s": result.base_time,
         "strategies": result.strategies,
         "seconds": result.seconds,
         "config": None if result.config is None else _config_data(result.config),
     }
+    if per_block is not None and per_block is not result:
+        report["plan"]["per_block"] = {
+            "predicted_peak": per_block.predicted_peak,
+            "step_time_s": per_block.step_time,
+            "strategies": per_block.strategies,
+        }
     if args.out and result.config is not None:
         import yaml
 

@@ -42,6 +42,7 @@ from ._measure import (
     model_restored,
 )
 from ._memory import format_bytes
+from ._planner import level_signature
 from .config import CheckpointConfig, parse_memory_budget
 from .errors import ConfigError
 from .levels import parse_level
@@ -176,7 +177,7 @@ def _measure(work: Workload, batches: Sequence[int], time_steps: int) -> _Points
     for b in batches:
         x = work.batch(b)
         timeline: list[int] = []
-        points.peaks.append(measure_memory(work, x, timeline)[0])
+        points.peaks.append(measure_memory(work, x, timeline).deciding)
         points.timelines.append(timeline)
         if time_steps:
             points.times.append(measure_time(work, x, time_steps))
@@ -269,20 +270,6 @@ def _row(
         linear_error=error,
         linear=linear,
         note="; ".join(notes),
-    )
-
-
-def _signature(plan: Any, level: int) -> tuple[Any, ...]:
-    """What a training level runs: two levels with the same signature measure the same."""
-    at = plan.at_level(level)
-    return tuple(
-        (
-            e.name,
-            str(e.rung_at(level)) if e.checkpointed else None,
-            e.lean_at(level),
-            level in e.holds_several,
-        )
-        for e in at.entries
     )
 
 
@@ -394,7 +381,7 @@ def max_batch(
         with applied(model, following_global(config)) as plan:
             seen: dict[tuple[Any, ...], FitRow] = {}
             for level in chosen:
-                signature = _signature(plan, level)
+                signature = level_signature(plan, level)
                 same = seen.get(signature)
                 if same is not None:
                     add(_copy(same, f"level {level}", level, _same(same)))
@@ -481,12 +468,13 @@ def _planner_row(
         return FitRow(
             "planner", None, None, note=f"no per-block plan fits batch {batch}: {planned.explain()}"
         )
-    per_sample = planned.predicted_time / batch if planned.predicted_time else None
+    seconds = planned.step_time or planned.predicted_time
+    per_sample = seconds / batch if seconds else None
     return FitRow(
         "planner",
         None,
         batch,
         predicted_peak=planned.predicted_peak,
         time_per_sample_s=per_sample,
-        note=f"the per-block plan at level {best.level}'s batch ({planned.explain()})",
+        note=f"the planner at level {best.level}'s batch: {planned.explain()}",
     )
