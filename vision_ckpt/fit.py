@@ -175,7 +175,9 @@ class FitResult:
 def _measure(work: Workload, batches: Sequence[int], time_steps: int) -> _Points:
     points = _Points(list(batches), [], [], [])
     for b in batches:
-        x = work.batch(b)
+        # A storage of its own: a slice of the example would be counted at the example's size
+        # whatever the batch, and the input's bytes per sample would drop out of the slopes.
+        x = work.batch(b).clone()
         timeline: list[int] = []
         points.peaks.append(measure_memory(work, x, timeline).deciding)
         points.timelines.append(timeline)

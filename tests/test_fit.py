@@ -1,0 +1,139 @@
+"""``vision_ckpt.max_batch`` (issue 27): the largest batch whose step peak fits a budget, per
+level and for the library's own switch, solved from a few small batches.
+
+- the batch it finds fits and one more does not, measured with the same meter at that batch;
+- a step whose bytes are not linear in the batch is flagged, not silently extrapolated;
+- another budget is solved from the same measurements and agrees with measuring again;
+- the model comes back as it was; bad arguments are refused with what was expected.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import vision_ckpt
+from vision_ckpt import CheckpointConfig, ConfigError
+from vision_ckpt._measure import Workload, measure_memory
+from vision_ckpt.models import output_loss
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _resnet() -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model("resnet18", pretrained=False, num_classes=10)
+
+
+def _real_peak(model: nn.Module, level: int, batch: int) -> int:
+    """One real step at ``batch`` with the model's preset at ``level``, by the same meter."""
+    x = torch.randn(batch, 3, 32, 32)
+    vision_ckpt.apply(model, CheckpointConfig(preset="auto", training_checkpoint_level=level))
+    try:
+        return measure_memory(Workload(model, x, output_loss), x).peak
+    finally:
+        vision_ckpt.remove(model)
+
+
+def test_the_largest_batch_fits_and_one_more_does_not() -> None:
+    model = _resnet()
+    budget = 128 * 2**20
+    fit = vision_ckpt.max_batch(model, (3, 32, 32), budget, levels=[0, 5], time_steps=0)
+    assert [r.label for r in fit.rows] == [
+        "level 0",
+        "level 5",
+        "own switch (set_grad_checkpointing())",
+    ]
+    for level in (0, 5):
+        row = fit.row(f"level {level}")
+        assert row.linear and row.linear_error == 0.0, row
+        assert [b for b, _ in row.measured] == [2, 3, 4]
+        at = _real_peak(model, level, row.max_batch)
+        assert at == row.predicted_peak  # bytes per operator are exactly lines in the batch
+        assert at <= budget < _real_peak(model, level, row.max_batch + 1)
+    assert fit.row("level 5").max_batch > fit.row("level 0").max_batch
+    assert fit.best_level() is fit.row("level 5")
+    assert fit.explain().startswith("level 5 fits the largest batch in 128.00 MiB: ")
+
+
+class _Gram(nn.Module):
+    """A step whose bytes grow with the square of the batch (a batch-by-batch product kept for
+    backward), the case the third batch is there to catch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.conv(x).flatten(1)
+        big = (f @ f.T).repeat_interleave(4096, dim=1)
+        return big.square().mean(1, keepdim=True)
+
+
+def test_a_step_not_linear_in_the_batch_is_flagged() -> None:
+    config = CheckpointConfig(rules=[{"match": "conv", "level": 3}])
+    fit = vision_ckpt.max_batch(
+        _Gram(), (3, 4, 4), "64MiB", levels=[0], config=config, time_steps=0
+    )
+    row = fit.row("level 0")
+    assert not row.linear and row.linear_error > 0.02
+    assert "not linear in the batch: batch 4's peak is" in row.note
+    assert "off the line through batches 2 and 3" in row.note
+    assert "not linear in the batch, read with care: level 0" in fit.explain()
+
+
+def test_another_budget_is_solved_from_the_same_measurements() -> None:
+    model = _resnet()
+    fit = vision_ckpt.max_batch(model, "3,32,32", "128MiB", levels=[0, 4, 5], time_steps=0)
+    again = vision_ckpt.max_batch(model, (3, 32, 32), "192MiB", levels=[0, 4, 5], time_steps=0)
+    wider = fit.for_budget("192MiB")
+    assert wider.budget_bytes == 192 * 2**20
+    for a, b, c in zip(fit.rows, wider.rows, again.rows, strict=True):
+        assert a.label == b.label == c.label
+        assert b.max_batch == c.max_batch and b.max_batch > a.max_batch
+    same = [r for r in fit.rows if r.note.startswith("same plan as")]
+    for row in same:  # a level that runs another's plan is reported, not measured again
+        source = fit.row(row.note.removeprefix("same plan as ").split(";")[0])
+        assert row.max_batch == source.max_batch
+
+
+def test_the_model_comes_back_as_it_was_and_time_is_predicted() -> None:
+    model = _resnet()
+    before = copy.deepcopy(model.state_dict())
+    fit = vision_ckpt.max_batch(model, (3, 32, 32), "128MiB", levels=[3], time_steps=1)
+    assert fit.row("level 3").time_per_sample_s > 0
+    assert fit.to_dict()["best_level"] == 3
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+    assert (
+        not any(type(m).__name__ == "ActivationCheckpointing" for m in model.modules())
+        and vision_ckpt.plan(model, CheckpointConfig(preset="auto")).checkpointed == ()
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"input_shape": (3, 32)}, r"input_shape=\(3, 32\) is not valid; expected one sample"),
+        ({"batches": (3, 2)}, r"batches=\(3, 2\) is not valid; expected two or three increasing"),
+        ({"batches": (2,)}, r"expected two or three increasing positive batch sizes"),
+        ({"margin": 1.5}, r"margin=1.5 is not valid"),
+        ({"levels": [7]}, r"level 7 is not a checkpoint level; allowed: 0"),
+    ],
+)
+def test_bad_arguments_say_what_was_expected(kwargs, message) -> None:
+    args = {"input_shape": (3, 32, 32), "budget": "1GiB"} | kwargs
+    with pytest.raises(vision_ckpt.VisionCkptError, match=message):
+        vision_ckpt.max_batch(_resnet(), **args)
