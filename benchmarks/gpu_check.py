@@ -1,0 +1,949 @@
+"""One command for the day a GPU is lent: what CPU runs and fake CUDA cannot verify.
+
+Never run in CI. On a machine with a CUDA device::
+
+    python benchmarks/gpu_check.py                       # every section, six models (~10 min)
+    python benchmarks/gpu_check.py --sections exact,replay --models vit_small_patch16_224
+    python benchmarks/gpu_check.py --render benchmarks/results/gpu_check/results.json
+
+and, to exercise the same code path on CPU with tiny models (what CI-less dry runs do)::
+
+    python benchmarks/gpu_check.py --dry-run             # = --device cpu --tiny, out in /tmp
+
+Sections (``--sections``, all by default), each on the models of ``--models``:
+
+``exact``
+    Levels 0-5, fp32, deterministic algorithms (``torch.use_deterministic_algorithms``, cuDNN
+    deterministic, ``CUBLAS_WORKSPACE_CONFIG``), dropout and drop-path active: the output and
+    every gradient of one training step against the same model without checkpointing, with
+    ``rtol=0, atol=0``. The plain model is run twice first: if those two differ, the device is
+    not reproducible for that model and the row says so instead of blaming checkpointing.
+``replay``
+    Dropout in fused attention (SDPA ``flash`` and ``efficient`` backends forced with
+    ``sdpa_kernel``), drop-path and projection dropout, under fp16 and bf16 autocast, in a
+    selective and a full region (ViT and Swin): gradients against the plain model's. A replayed
+    mask gives the plain model's gradients up to the backward's own run-to-run noise (measured
+    by running the plain model twice); a mask drawn again differs at order one. Scope ``step``
+    holds the backend selection over forward and backward, scope ``forward`` over the forward
+    only (recomputation must restore it: issue 24 item 3).
+``memory``
+    Per level at ``--batch``: the peak predicted from two small batches (what ``suggest_level``
+    decides on) against the measured one, on the device's meter (``max_memory_allocated`` of
+    a warmed-up step on CUDA, NOTE [ Two meters ] in ``vision_ckpt._measure``), with
+    ``max_memory_reserved`` and the byte tracker's peak beside them. AdamW state included.
+``suggest``
+    ``suggest_level`` and ``plan_for_budget`` for ``--budget`` (default: 60% of level 0's
+    allocated peak at ``--batch``), then the chosen plan run for real at ``--batch``: its
+    allocated and reserved peaks against the budget.
+``inductor``
+    ``torch.compile`` (``--compile-backend``, inductor by default) at every level of
+    ``--compile-models``: one training step's gradients against eager within ``--compile-rtol``
+    (relative to each tensor's largest magnitude), dropout off.
+``frontier``
+    Levels 0-5 and timm's ``set_grad_checkpointing`` at ``--batch`` (32): allocated and reserved
+    peaks, and step time as the median over ``--reps`` interleaved rounds of the ratio to L0.
+
+Writes ``results.json`` and ``table.md`` (the tables for docs/benchmarks.md) to ``--out``
+(default ``benchmarks/results/gpu_check``) and exits 1 when a check failed. See docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SECTIONS = ("exact", "replay", "memory", "suggest", "inductor", "frontier")
+LEVELS = (0, 1, 2, 3, 4, 5)
+
+# The six models of the frontier, at 224 px.
+FULL_MODELS: dict[str, dict[str, Any]] = {
+    "vit_small_patch16_224": {},
+    "swin_tiny_patch4_window7_224": {},
+    "convnext_tiny": {},
+    "resnet50": {},
+    "densenet121": {},
+    "efficientnet_b0": {},
+}
+# One small model per family at 64 px (Swin with window 2), for --tiny.
+TINY_MODELS: dict[str, dict[str, Any]] = {
+    "vit_tiny_patch16_224": {"img_size": 64, "depth": 4},
+    "swin_tiny_patch4_window7_224": {"img_size": 64, "window_size": 2},
+    "convnext_atto": {},
+    "resnet18": {},
+    "densenet121": {},
+    "efficientnet_b0": {},
+}
+# The models with fused attention, and the levels at which a layer is a selective / full region.
+REPLAY_LEVELS = {"vit": {"selective": 1, "full": 3}, "swin": {"selective": 1, "full": 2}}
+NO_DROP_PATH = ("densenet",)  # timm families whose constructor takes no drop_path_rate
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with the defaults of ``--tiny`` / ``--dry-run`` filled in.
+
+    >>> a = parse_args(["--dry-run"])
+    >>> a.device, a.tiny, a.batch, a.reps, a.compile_models
+    ('cpu', True, 8, 1, ['resnet18'])
+    >>> parse_args([]).sections == list(SECTIONS)
+    True
+    """
+    p = argparse.ArgumentParser(
+        prog="gpu_check.py",
+        description="Checks that need a CUDA device: exactness, RNG replay with fused attention, "
+        "allocator peaks against predictions, suggest's plan at its batch, inductor, frontier.",
+    )
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run)")
+    p.add_argument("--tiny", action="store_true", help="tiny models at 64 px (for a dry run)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="--device cpu --tiny --reps 1, results to a temporary folder: the same code path",
+    )
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated sections")
+    p.add_argument("--models", default=None, help="comma-separated timm names")
+    p.add_argument("--batch", type=int, default=None, help="memory/suggest/frontier batch (32)")
+    p.add_argument("--image", type=int, default=None, help="image size (224; tiny: 64)")
+    p.add_argument("--reps", type=int, default=None, help="timed rounds of the frontier (5)")
+    p.add_argument("--budget", default=None, help="suggest's budget, e.g. 6GiB (default: auto)")
+    p.add_argument("--compile-models", default=None, help="models for the inductor section")
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--compile-rtol", type=float, default=1e-5)
+    p.add_argument("--out", default=None, help="folder for results.json and table.md")
+    p.add_argument("--render", default=None, metavar="JSON", help="print the tables of a run")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.device, args.tiny = "cpu", True
+        args.reps = 1 if args.reps is None else args.reps
+    models = TINY_MODELS if args.tiny else FULL_MODELS
+    args.models = _split(args.models) or list(models)
+    args.sections = _split(args.sections)
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown sections {unknown}; allowed: {', '.join(SECTIONS)}")
+    args.batch = args.batch or (8 if args.tiny else 32)
+    args.image = args.image or (64 if args.tiny else 224)
+    args.reps = args.reps or (2 if args.tiny else 5)
+    default_compiled = ["resnet18"] if args.tiny else ["vit_small_patch16_224", "resnet50"]
+    args.compile_models = _split(args.compile_models) or default_compiled
+    if args.out is None:
+        args.out = (
+            tempfile.mkdtemp(prefix="gpu_check_")
+            if args.dry_run
+            else str(
+                Path(__file__).parent / "results" / ("gpu_check_tiny" if args.tiny else "gpu_check")
+            )
+        )
+    return args
+
+
+def _split(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering (pure: from the JSON a run wrote)
+# --------------------------------------------------------------------------------------------
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.0f}"
+
+
+def _num(v: float | None, fmt: str = ".2e") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _yes(v: bool | None) -> str:
+    return "-" if v is None else ("yes" if v else "**no**")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+
+
+def render(results: dict[str, Any]) -> str:
+    """The markdown tables of a run's ``results.json``.
+
+    >>> print(render({"meta": {"device": "cpu"}, "sections": {"exact": [
+    ...     {"model": "m", "level": 1, "exact": True, "max_abs": 0.0,
+    ...      "plain_reproducible": True}]}}))  # doctest: +NORMALIZE_WHITESPACE
+    # gpu_check on cpu
+    <BLANKLINE>
+    ## exact: levels 0-5 against no checkpointing (fp32, deterministic)
+    <BLANKLINE>
+    | model | level | exact | max abs diff | plain reproducible | error |
+    |---|---|---|---|---|---|
+    | m | 1 | yes | 0.00e+00 | yes |  |
+    <BLANKLINE>
+    All checks passed.
+    """
+    meta = results.get("meta", {})
+    out = [f"# gpu_check on {meta.get('device', '?')}"]
+    if meta.get("command"):
+        out += ["", f"`{meta['command']}` ({meta.get('torch', '?')}, {meta.get('date', '')})"]
+    sections = results.get("sections", {})
+    for name, rows in sections.items():
+        out += ["", f"## {name}: {_TITLES.get(name, '')}".rstrip(": "), ""]
+        out += _RENDERERS[name](rows)
+    failed = failures(results)
+    out += ["", f"**{len(failed)} failed check(s)**" if failed else "All checks passed."]
+    out += [f"- {f}" for f in failed]
+    return "\n".join(out) + "\n"
+
+
+_TITLES = {
+    "exact": "levels 0-5 against no checkpointing (fp32, deterministic)",
+    "replay": "dropout/drop-path replay with fused attention",
+    "memory": "predicted peak against the measured one, per level",
+    "suggest": "suggest_level / plan_for_budget, their plan run at the batch",
+    "inductor": "torch.compile against eager, per level",
+    "frontier": "memory and time per level against timm's switch",
+}
+
+
+def _render_exact(rows: list[dict[str, Any]]) -> list[str]:
+    return _table(
+        ["model", "level", "exact", "max abs diff", "plain reproducible", "error"],
+        [
+            [
+                r["model"],
+                str(r["level"]),
+                _yes(r.get("exact")),
+                _num(r.get("max_abs")),
+                _yes(r.get("plain_reproducible")),
+                r.get("error") or "",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _render_replay(rows: list[dict[str, Any]]) -> list[str]:
+    return _table(
+        [
+            "model",
+            "dtype",
+            "backend",
+            "region",
+            "scope",
+            "max rel diff",
+            "plain vs plain",
+            "ok",
+            "error",
+        ],
+        [
+            [
+                r["model"],
+                r["dtype"],
+                r["backend"],
+                f"{r['region']} (L{r['level']})",
+                r["scope"],
+                _num(r.get("max_rel")),
+                _num(r.get("baseline_rel")),
+                _yes(r.get("ok")),
+                r.get("error") or "",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _render_memory(rows: list[dict[str, Any]]) -> list[str]:
+    return _table(
+        [
+            "model",
+            "batch",
+            "level",
+            "meter",
+            "predicted MB",
+            "measured MB",
+            "pred/meas",
+            "reserved MB",
+            "tracker MB",
+            "error",
+        ],
+        [
+            [
+                r["model"],
+                str(r.get("batch", "")),
+                str(r["level"]),
+                r.get("meter", ""),
+                _mb(r.get("predicted")),
+                _mb(r.get("measured")),
+                _num(r.get("ratio"), ".3f"),
+                _mb(r.get("reserved")),
+                _mb(r.get("tracked")),
+                r.get("error") or "",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _render_suggest(rows: list[dict[str, Any]]) -> list[str]:
+    return _table(
+        [
+            "model",
+            "kind",
+            "batch",
+            "budget MB",
+            "chose",
+            "predicted MB",
+            "allocated MB",
+            "reserved MB",
+            "allocated fits",
+            "reserved fits",
+            "error",
+        ],
+        [
+            [
+                r["model"],
+                r["kind"],
+                str(r.get("batch", "")),
+                _mb(r.get("budget")),
+                str(r.get("chose", "-")),
+                _mb(r.get("predicted")),
+                _mb(r.get("allocated")),
+                _mb(r.get("reserved")),
+                _yes(r.get("fits_allocated")),
+                _yes(r.get("fits_reserved")),
+                r.get("error") or "",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _render_inductor(rows: list[dict[str, Any]]) -> list[str]:
+    return _table(
+        ["model", "level", "backend", "max rel diff", "ok", "compile s", "error"],
+        [
+            [
+                r["model"],
+                str(r["level"]),
+                r.get("backend", ""),
+                _num(r.get("max_rel")),
+                _yes(r.get("ok")),
+                _num(r.get("compile_s"), ".1f"),
+                r.get("error") or "",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _render_frontier(rows: list[dict[str, Any]]) -> list[str]:
+    return _table(
+        [
+            "model",
+            "batch",
+            "variant",
+            "regions",
+            "allocated MB",
+            "reserved MB",
+            "alloc/L0",
+            "time s",
+            "time/L0",
+            "error",
+        ],
+        [
+            [
+                r["model"],
+                str(r.get("batch", "")),
+                r["variant"],
+                str(r.get("regions", "")),
+                _mb(r.get("allocated")),
+                _mb(r.get("reserved")),
+                _num(r.get("alloc_ratio"), ".2f"),
+                _num(r.get("time_s"), ".3f"),
+                _num(r.get("time_ratio"), ".2f") + ("x" if r.get("time_ratio") else ""),
+                r.get("error") or "",
+            ]
+            for r in rows
+        ],
+    )
+
+
+_RENDERERS: dict[str, Callable[[list[dict[str, Any]]], list[str]]] = {
+    "exact": _render_exact,
+    "replay": _render_replay,
+    "memory": _render_memory,
+    "suggest": _render_suggest,
+    "inductor": _render_inductor,
+    "frontier": _render_frontier,
+}
+
+
+def failures(results: dict[str, Any]) -> list[str]:
+    """One line per failed check of a run (errors included).
+
+    >>> failures({"sections": {"memory": [{"model": "m", "level": 2, "ratio": 0.9}]}})
+    ['memory m L2: predicted 0.900x of the measured peak (an underestimate over 5%)']
+    """
+    out = []
+    for section, rows in results.get("sections", {}).items():
+        for r in rows:
+            where = f"{section} {r.get('model', '?')}" + (f" L{r['level']}" if "level" in r else "")
+            if r.get("error"):
+                out.append(f"{where}: {r['error']}")
+            elif section == "exact" and r.get("plain_reproducible") and not r.get("exact"):
+                out.append(f"{where}: not exact (max abs diff {r.get('max_abs')})")
+            elif section in ("replay", "inductor") and r.get("ok") is False:
+                detail = ", ".join(
+                    f"{k} {r[k]}" for k in ("dtype", "backend", "region", "scope") if k in r
+                )
+                out.append(
+                    f"{where}: max rel diff {r.get('max_rel')}" + (f" ({detail})" if detail else "")
+                )
+            elif section == "memory" and r.get("ratio") is not None and r["ratio"] < 0.95:
+                out.append(
+                    f"{where}: predicted {r['ratio']:.3f}x of the measured peak (an "
+                    "underestimate over 5%)"
+                )
+            elif section == "suggest" and r.get("fits_allocated") is False:
+                out.append(f"{where} ({r['kind']}): its real step allocated over the budget")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Building models and running steps
+# --------------------------------------------------------------------------------------------
+
+
+def build(name: str, options: dict[str, Any], *, drop: float = 0.0, **extra: Any) -> nn.Module:
+    """A timm model (``pretrained=False``, 10 classes) in training mode, seed 0."""
+    import timm
+
+    torch.manual_seed(0)
+    kwargs: dict[str, Any] = {"num_classes": 10, "drop_rate": drop, **options, **extra}
+    if not name.startswith(NO_DROP_PATH):
+        kwargs["drop_path_rate"] = drop
+    return timm.create_model(name, pretrained=False, **kwargs).train()
+
+
+def _data(batch: int, image: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, image, image, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    return x.to(device), y.to(device)
+
+
+def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float(), y)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def train_step(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    seed: int = 1,
+    autocast: torch.dtype | None = None,
+    forward_ctx: Callable[[], Any] = contextlib.nullcontext,
+    step_ctx: Callable[[], Any] = contextlib.nullcontext,
+) -> dict[str, torch.Tensor]:
+    """One training step from ``seed``; the output and every gradient, detached."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    device = x.device.type
+    with step_ctx():
+        with forward_ctx(), torch.autocast(device, autocast, enabled=autocast is not None):
+            out = model(x)
+        F.cross_entropy(out.float(), y).backward()
+    got = {"<output>": out.detach().float().clone()}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            got[n] = p.grad.detach().float().clone()
+    return got
+
+
+def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(largest absolute difference, largest difference relative to the tensor's magnitude)
+    over the output and every gradient; ``inf`` when a gradient is missing on one side.
+
+    >>> a = {"w": torch.tensor([1.0, -4.0])}
+    >>> compare(a, {"w": torch.tensor([1.0, -3.0])})
+    (1.0, 0.3333333333333333)
+    """
+    if got.keys() != ref.keys():
+        return float("inf"), float("inf")
+    worst_abs = worst_rel = 0.0
+    for k, r in ref.items():
+        d = (got[k] - r).abs().max().item() if r.numel() else 0.0
+        scale = r.abs().max().item() if r.numel() else 0.0
+        worst_abs = max(worst_abs, d)
+        worst_rel = max(worst_rel, d / scale if scale else (0.0 if d == 0 else float("inf")))
+    return worst_abs, worst_rel
+
+
+@contextlib.contextmanager
+def deterministic(device: str) -> Iterator[None]:
+    """Deterministic algorithms (warn-only: a model that needs a non-deterministic kernel is
+    still run, and its plain model's two runs tell whether it reproduces)."""
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2:]
+
+
+def _error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "/")
+    return text[:300]
+
+
+def _applied(base: nn.Module, level: int, device: str) -> nn.Module:
+    import vision_ckpt
+
+    model = copy.deepcopy(base).to(device)
+    vision_ckpt.apply_preset(model, level)
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+def check_exact(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
+    rows = []
+    x, y = _data(2, args.image, args.device)
+    for name in args.models:
+        with deterministic(args.device):
+            base = build(name, models[name], drop=0.1).to(args.device)
+            ref = train_step(copy.deepcopy(base), x, y)
+            again = train_step(copy.deepcopy(base), x, y)
+            reproducible = compare(again, ref)[0] == 0.0
+            for level in LEVELS:
+                row: dict[str, Any] = {"model": name, "level": level}
+                row["plain_reproducible"] = reproducible
+                try:
+                    got = train_step(_applied(base, level, args.device), x, y)
+                    row["max_abs"] = compare(got, ref)[0]
+                    row["exact"] = row["max_abs"] == 0.0
+                except Exception as exc:  # noqa: BLE001 - one failure is a row, not the run
+                    row["error"] = _error(exc)
+                rows.append(row)
+                _progress("exact", row)
+        _free(args.device)
+    return rows
+
+
+def _sdpa_backends(device: str) -> dict[str, Any]:
+    from torch.nn.attention import SDPBackend
+
+    if device.startswith("cuda"):
+        return {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        }
+    return {"math": SDPBackend.MATH}  # a CPU dry run: SDPA with dropout has no fused kernel
+
+
+def check_replay(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
+    from torch.nn.attention import sdpa_kernel
+
+    rows = []
+    x, y = _data(2, args.image, args.device)
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    for name in args.models:
+        family = next((f for f in REPLAY_LEVELS if name.startswith(f)), None)
+        if family is None:
+            continue
+        base = build(name, models[name], drop=0.1, attn_drop_rate=0.1).to(args.device)
+        for dname, dtype in dtypes.items():
+            for bname, backend in _sdpa_backends(args.device).items():
+
+                def kernel(backend: Any = backend) -> Any:
+                    return sdpa_kernel([backend])
+
+                for scope in ("step", "forward"):
+                    ctx = {"forward_ctx": kernel} if scope == "forward" else {"step_ctx": kernel}
+                    try:
+                        ref = train_step(copy.deepcopy(base), x, y, autocast=dtype, **ctx)
+                        again = train_step(copy.deepcopy(base), x, y, autocast=dtype, **ctx)
+                        baseline = compare(again, ref)[1]
+                    except Exception as exc:  # noqa: BLE001
+                        rows.append(
+                            {
+                                "model": name,
+                                "dtype": dname,
+                                "backend": bname,
+                                "region": "-",
+                                "level": 0,
+                                "scope": scope,
+                                "error": "plain: " + _error(exc),
+                            }
+                        )
+                        continue
+                    for region, level in REPLAY_LEVELS[family].items():
+                        row: dict[str, Any] = {
+                            "model": name,
+                            "dtype": dname,
+                            "backend": bname,
+                            "region": region,
+                            "level": level,
+                            "scope": scope,
+                            "baseline_rel": baseline,
+                        }
+                        try:
+                            model = _applied(base, level, args.device)
+                            got = train_step(model, x, y, autocast=dtype, **ctx)
+                            row["max_rel"] = compare(got, ref)[1]
+                            row["ok"] = row["max_rel"] <= 4 * baseline
+                        except Exception as exc:  # noqa: BLE001
+                            row["error"] = _error(exc)
+                        rows.append(row)
+                        _progress("replay", row)
+        _free(args.device)
+    return rows
+
+
+def _workload(model: nn.Module, x: torch.Tensor, optimizer: Any) -> Any:
+    from vision_ckpt._measure import Workload, default_loss
+
+    return Workload(model, x, default_loss, optimizer)
+
+
+def check_memory(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
+    from vision_ckpt._extrapolate import extrapolated_peak, peak_measurer
+    from vision_ckpt._measure import measure_memory, meter_for, run_step
+
+    rows = []
+    x, _ = _data(2, args.image, args.device)
+    meter = meter_for(args.device).name
+    for name in args.models:
+        base = build(name, models[name])
+        for level in LEVELS:
+            row: dict[str, Any] = {"model": name, "level": level, "batch": args.batch}
+            row["meter"] = meter
+            try:
+                model = _applied(base, level, args.device)
+                work = _workload(model, x, torch.optim.AdamW(model.parameters(), lr=1e-4))
+                run_step(work, x)  # the optimizer's state, as in training
+                row["predicted"] = extrapolated_peak(peak_measurer(work), args.batch)[0]
+                step = measure_memory(work, work.batch(args.batch))
+                row["measured"], row["reserved"], row["tracked"] = (
+                    step.deciding,
+                    step.reserved,
+                    step.peak,
+                )
+                row["ratio"] = row["predicted"] / row["measured"]
+                del model, work
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = _error(exc)
+            rows.append(row)
+            _progress("memory", row)
+            _free(args.device)
+    return rows
+
+
+def _real_peak(model: nn.Module, x: torch.Tensor) -> tuple[int, int | None]:
+    """(deciding, reserved) peak of a warmed-up step at ``x``'s batch, AdamW included."""
+    from vision_ckpt._measure import measure_memory, run_step
+
+    work = _workload(model, x, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    run_step(work, x)
+    step = measure_memory(work, x)
+    return step.deciding, step.reserved
+
+
+def check_suggest(
+    args: argparse.Namespace, models: dict[str, dict[str, Any]], memory: list[dict]
+) -> list[dict]:
+    import vision_ckpt
+    from vision_ckpt.config import parse_memory_budget
+    from vision_ckpt.profile import plan_for_budget, suggest_level
+
+    rows = []
+    x, _ = _data(2, args.image, args.device)
+    big = _data(args.batch, args.image, args.device)[0]
+    for name in args.models:
+        base = build(name, models[name])
+        try:
+            if args.budget is not None:
+                budget = parse_memory_budget(args.budget)
+            else:
+                level0 = next(
+                    (
+                        r["measured"]
+                        for r in memory
+                        if r["model"] == name and r["level"] == 0 and r.get("measured")
+                    ),
+                    None,
+                )
+                if level0 is None:
+                    level0 = _real_peak(copy.deepcopy(base).to(args.device), big)[0]
+                budget = int(0.6 * level0)
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"model": name, "kind": "suggest", "error": "budget: " + _error(exc)})
+            continue
+        for kind in ("suggest", "planner"):
+            row: dict[str, Any] = {"model": name, "kind": kind, "batch": args.batch}
+            row["budget"] = budget
+            try:
+                model = copy.deepcopy(base).to(args.device)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                if kind == "suggest":
+                    s = suggest_level(model, x, budget, batch_size=args.batch, optimizer=opt)
+                    row["explain"] = s.explain()
+                    row["chose"] = s.level
+                    if s.level is not None:
+                        row["predicted"] = s.predicted_peak[s.level]
+                        vision_ckpt.apply_preset(model, s.level)
+                else:
+                    p = plan_for_budget(model, x, budget, batch_size=args.batch, optimizer=opt)
+                    row["explain"] = p.explain()
+                    row["chose"] = f"{len(p.blocks)} blocks" if p.config is not None else None
+                    row["predicted"] = p.predicted_peak
+                    if p.config is not None:
+                        vision_ckpt.apply(model, p.config)
+                if row["chose"] is not None:
+                    row["allocated"], row["reserved"] = _real_peak(model, big)
+                    row["fits_allocated"] = row["allocated"] <= budget
+                    if row["reserved"] is not None:
+                        row["fits_reserved"] = row["reserved"] <= budget
+                del model, opt
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = _error(exc)
+            rows.append(row)
+            _progress("suggest", row)
+            _free(args.device)
+    return rows
+
+
+def check_inductor(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
+    rows = []
+    x, y = _data(2, args.image, args.device)
+    for name in args.compile_models:
+        options = {**FULL_MODELS, **TINY_MODELS}.get(name, {})
+        base = build(name, options).to(args.device)
+        for level in LEVELS:
+            row: dict[str, Any] = {"model": name, "level": level}
+            row["backend"] = args.compile_backend
+            try:
+                torch._dynamo.reset()
+                ref = train_step(_applied(base, level, args.device), x, y)
+                compiled = torch.compile(
+                    _applied(base, level, args.device), backend=args.compile_backend
+                )
+                started = time.perf_counter()
+                got = train_step(compiled, x, y)
+                row["compile_s"] = time.perf_counter() - started
+                row["max_rel"] = compare(got, ref)[1]
+                row["ok"] = row["max_rel"] <= args.compile_rtol
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = _error(exc)
+            rows.append(row)
+            _progress("inductor", row)
+        _free(args.device)
+    return rows
+
+
+def check_frontier(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
+    import vision_ckpt
+    from vision_ckpt._measure import Workload, measure_memory
+
+    rows = []
+    for name in args.models:
+        x, y = _data(args.batch, args.image, args.device)
+        base = build(name, models[name]).to(args.device)
+        variants: dict[str, tuple[nn.Module, int]] = {}
+        errors: dict[str, str] = {}
+        for level in LEVELS:
+            model = copy.deepcopy(base)
+            plan = vision_ckpt.apply_preset(model, level)
+            variants[f"L{level}"] = (model, len(plan.checkpointed))
+        timm_model = copy.deepcopy(base)
+        timm_model.set_grad_checkpointing(True)
+        variants["timm"] = (timm_model, -1)
+        memory: dict[str, tuple[int, int | None]] = {}
+        for v, (model, _) in variants.items():
+            try:
+                train_step(model, x, y)  # warm-up (cuDNN autotuning, workspaces)
+                step = measure_memory(Workload(model, x, functools.partial(_ce, y=y)), x)
+                memory[v] = (step.deciding, step.reserved)
+            except Exception as exc:  # noqa: BLE001
+                errors[v] = _error(exc)
+        live = [v for v in variants if v not in errors]
+        times: dict[str, list[float]] = {v: [] for v in live}
+        ratios: dict[str, list[float]] = {v: [] for v in live}
+        for round_ in range(args.reps):
+            shift = round_ * len(live) // max(1, args.reps)
+            this: dict[str, float] = {}
+            for v in live[shift:] + live[:shift]:  # the order rotates from round to round
+                _sync(args.device)
+                start = time.perf_counter()
+                train_step(variants[v][0], x, y)
+                _sync(args.device)
+                this[v] = time.perf_counter() - start
+                times[v].append(this[v])
+            for v in live:
+                if "L0" in this:
+                    ratios[v].append(this[v] / this["L0"])
+        for v, (_, regions) in variants.items():
+            row: dict[str, Any] = {"model": name, "batch": args.batch, "variant": v}
+            row["regions"] = regions
+            if v in errors:
+                row["error"] = errors[v]
+            else:
+                row["allocated"], row["reserved"] = memory[v]
+                row["time_s"] = statistics.median(times[v])
+                row["time_ratio"] = statistics.median(ratios[v]) if ratios[v] else None
+                if "L0" in memory:
+                    row["alloc_ratio"] = memory[v][0] / memory["L0"][0]
+            rows.append(row)
+            _progress("frontier", row)
+        del variants, base
+        _free(args.device)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def _progress(section: str, row: dict[str, Any]) -> None:
+    shown = {k: v for k, v in row.items() if k not in ("explain",)}
+    print(f"[{section}] {shown}", flush=True)
+
+
+def _meta(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    import timm
+
+    import vision_ckpt
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=False,
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    device = (
+        torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
+    )
+    return {
+        "device": f"{args.device} ({device or platform.machine()})",
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "vision_ckpt": vision_ckpt.__version__,
+        "commit": commit,
+        "command": "python benchmarks/gpu_check.py " + shlex.join(argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "tiny": args.tiny,
+        "batch": args.batch,
+        "image": args.image,
+    }
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """Run the chosen sections; the results as written to ``results.json``."""
+    models = TINY_MODELS if args.tiny else FULL_MODELS
+    unknown = [m for m in args.models if m not in models]
+    extra = {m: {} for m in unknown}  # any other timm name runs with its defaults
+    models = {**models, **extra}
+    results: dict[str, Any] = {"meta": _meta(args, argv), "sections": {}, "seconds": {}}
+    checks: dict[str, Callable[[], list[dict]]] = {
+        "exact": lambda: check_exact(args, models),
+        "replay": lambda: check_replay(args, models),
+        "memory": lambda: check_memory(args, models),
+        "suggest": lambda: check_suggest(args, models, results["sections"].get("memory", [])),
+        "inductor": lambda: check_inductor(args, models),
+        "frontier": lambda: check_frontier(args, models),
+    }
+    for section in SECTIONS:
+        if section not in args.sections:
+            continue
+        started = time.perf_counter()
+        try:
+            results["sections"][section] = checks[section]()
+        except Exception as exc:  # noqa: BLE001 - a broken section must not lose the others
+            traceback.print_exc()
+            results["sections"][section] = [{"model": "*", "error": _error(exc)}]
+        results["seconds"][section] = round(time.perf_counter() - started, 1)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.render is not None:
+        print(render(json.loads(Path(args.render).read_text())), end="")
+        return 0
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA device here (torch.cuda.is_available() is False); this script "
+            "is for a machine with a GPU. To run the same code path on CPU with tiny models: "
+            "python benchmarks/gpu_check.py --dry-run",
+            file=sys.stderr,
+        )
+        return 2
+    # cuBLAS reads this when it is first used: the exact section's deterministic matmuls
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    results = run(args, argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    table = render(results)
+    (out / "table.md").write_text(table)
+    print(table)
+    print(f"wrote {out / 'results.json'} and {out / 'table.md'}")
+    return 1 if failures(results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,170 @@
+"""benchmarks/gpu_check.py, the command for the day a GPU is lent: its pure parts (arguments,
+tables, the list of failures) and one section run on CPU, so that it works the first time."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", _PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("gpu_check", None)
+
+
+def test_arguments_and_their_defaults(gpu_check) -> None:
+    full = gpu_check.parse_args([])
+    assert (full.device, full.batch, full.image, full.reps) == ("cuda", 32, 224, 5)
+    assert full.models == list(gpu_check.FULL_MODELS) and len(full.models) == 6
+    assert full.out.endswith("benchmarks/results/gpu_check")
+    dry = gpu_check.parse_args(["--dry-run", "--sections", "exact,memory"])
+    assert (dry.device, dry.tiny, dry.batch, dry.image, dry.reps) == ("cpu", True, 8, 64, 1)
+    assert dry.sections == ["exact", "memory"] and "gpu_check_" in dry.out
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--sections", "exact,speed"])
+
+
+def test_without_a_gpu_it_says_so_and_exits(gpu_check, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main([]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device here" in err and "--dry-run" in err
+
+
+RESULTS = {
+    "meta": {"device": "cuda (NVIDIA H100)", "command": "python benchmarks/gpu_check.py"},
+    "sections": {
+        "exact": [
+            {
+                "model": "resnet50",
+                "level": 2,
+                "exact": True,
+                "max_abs": 0.0,
+                "plain_reproducible": True,
+            },
+            {
+                "model": "resnet50",
+                "level": 3,
+                "exact": False,
+                "max_abs": 1e-7,
+                "plain_reproducible": True,
+            },
+            {
+                "model": "densenet121",
+                "level": 1,
+                "exact": False,
+                "max_abs": 1e-6,
+                "plain_reproducible": False,
+            },
+        ],
+        "replay": [
+            {
+                "model": "vit",
+                "dtype": "bf16",
+                "backend": "flash",
+                "region": "selective",
+                "level": 1,
+                "scope": "step",
+                "max_rel": 0.8,
+                "baseline_rel": 0.0,
+                "ok": False,
+            },
+        ],
+        "memory": [
+            {
+                "model": "vit",
+                "level": 0,
+                "batch": 32,
+                "meter": "cuda allocator",
+                "predicted": 9.0e8,
+                "measured": 1.0e9,
+                "ratio": 0.9,
+                "reserved": 1.2e9,
+                "tracked": 8e8,
+            },
+        ],
+        "suggest": [
+            {
+                "model": "vit",
+                "kind": "suggest",
+                "batch": 32,
+                "budget": 6e8,
+                "chose": 3,
+                "predicted": 5e8,
+                "allocated": 5.5e8,
+                "reserved": 6.5e8,
+                "fits_allocated": True,
+                "fits_reserved": False,
+            },
+        ],
+        "inductor": [{"model": "resnet50", "level": 1, "error": "AssertionError: context_fn"}],
+        "frontier": [
+            {
+                "model": "vit",
+                "batch": 32,
+                "variant": "L0",
+                "regions": 0,
+                "allocated": 2e9,
+                "reserved": 2.2e9,
+                "alloc_ratio": 1.0,
+                "time_s": 0.1,
+                "time_ratio": 1.0,
+            },
+        ],
+    },
+}
+
+
+def test_failures_name_each_failed_check_and_only_those(gpu_check) -> None:
+    assert gpu_check.failures(RESULTS) == [
+        "exact resnet50 L3: not exact (max abs diff 1e-07)",
+        "replay vit L1: max rel diff 0.8 (dtype bf16, backend flash, region selective, scope step)",
+        "memory vit L0: predicted 0.900x of the measured peak (an underestimate over 5%)",
+        "inductor resnet50 L1: AssertionError: context_fn",
+    ]
+
+
+def test_render_writes_one_table_per_section(gpu_check, tmp_path, capsys) -> None:
+    text = gpu_check.render(RESULTS)
+    assert text.startswith("# gpu_check on cuda (NVIDIA H100)")
+    for section in gpu_check.SECTIONS:
+        assert f"\n## {section}: " in text
+    assert "| resnet50 | 3 | **no** | 1.00e-07 | yes |  |" in text
+    assert "| vit | suggest | 32 | 600 | 3 | 500 | 550 | 650 | yes | **no** |  |" in text
+    assert "| vit | 32 | L0 | 0 | 2000 | 2200 | 1.00 | 0.100 | 1.00x |  |" in text
+    assert "**4 failed check(s)**" in text
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(RESULTS))
+    assert gpu_check.main(["--render", str(path)]) == 0
+    assert capsys.readouterr().out == text
+
+
+def test_compare(gpu_check) -> None:
+    ref = {"w": torch.tensor([2.0, -4.0]), "b": torch.zeros(3)}
+    assert gpu_check.compare(ref, ref) == (0.0, 0.0)
+    assert gpu_check.compare({**ref, "b": torch.full((3,), 0.5)}, ref) == (0.5, float("inf"))
+    assert gpu_check.compare({"w": ref["w"]}, ref) == (float("inf"), float("inf"))
+
+
+def test_the_exact_section_runs_on_cpu(gpu_check, tmp_path) -> None:
+    """The section's own code path on a tiny model: every level bit-exact, dropout on."""
+    argv = ["--dry-run", "--sections", "exact", "--models", "resnet18", "--image", "32"]
+    args = gpu_check.parse_args([*argv, "--out", str(tmp_path)])
+    results = gpu_check.run(args, argv)
+    rows = results["sections"]["exact"]
+    assert [r["level"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert all(r["exact"] and r["plain_reproducible"] for r in rows), rows
+    assert results["meta"]["device"].startswith("cpu")
