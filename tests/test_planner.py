@@ -429,3 +429,78 @@ def test_cli_profile_frontier(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert code == 0, text
     assert "per-block plans (predicted)" in text and plot.stat().st_size > 0
+
+
+# --- never slower than a uniform level (issue 27) ----------------------------------------------
+
+
+def _check_never_slower(model, x, budget, batch_size, config=None):
+    """The answer fits (measured at the target batch) and is predicted no slower than the
+    fastest uniform level that fits, on the one scale both are timed on."""
+    result = plan_for_budget(model, x, budget, batch_size=batch_size, config=config)
+    assert result.config is not None, result.explain()
+    fastest = result.fastest_uniform()
+    assert fastest is not None and result.uniform[fastest]["fits"]
+    assert result.step_time <= result.uniform[fastest]["time"], result.uniform
+    if result.uniform_level is not None:
+        assert (
+            result.uniform_level == fastest and result.step_time == result.uniform[fastest]["time"]
+        )
+    for level, u in result.uniform.items():  # every level that fits was timed
+        assert (u["time"] is not None) == u["fits"] == (u["peak"] * 1.05 <= budget), level
+    target = x.repeat(-(-batch_size // len(x)), 1, 1, 1)[:batch_size].clone()
+    vision_ckpt.apply(model, result.config)
+    try:
+        assert _peak(model, target) <= budget
+    finally:
+        vision_ckpt.remove(model)
+    return result
+
+
+@pytest.mark.parametrize("share", [0.1, 0.6])
+def test_the_answer_is_never_slower_than_the_fastest_fitting_uniform_level(share) -> None:
+    model = _six_blocks()
+    _check_never_slower(model, _x(), _budget(model, share), 8, config=CONFIG)
+
+
+def test_a_faster_uniform_level_is_returned_with_the_plan_it_beat(monkeypatch) -> None:
+    import vision_ckpt._planner as planner
+
+    model = _six_blocks()
+    budget = _budget(model, 0.5)
+    fake = {
+        level: {
+            "peak": budget // 2,
+            "fits": level >= 2,
+            "time": 1.0 + level / 10 if level >= 2 else None,
+        }
+        for level in range(6)
+    }
+    monkeypatch.setattr(planner, "_uniform_levels", lambda *args: fake)
+    monkeypatch.setattr(planner, "_step_seconds", lambda work, target: 5.0)
+    result = plan_for_budget(model, _x(), budget, batch_size=8, config=CONFIG)
+    assert result.uniform_level == 2 and result.config.training_checkpoint_level == 2
+    assert result.config.rules == CONFIG.rules  # the user's config, at that level
+    assert result.step_time == 1.2 and result.per_block.step_time == 5.0
+    assert result.per_block.strategies and result.per_block.uniform_level is None
+    assert result.explain().startswith("level 2 (uniform) fits and no per-block plan was faster")
+    assert set(result.blocks) == set(vision_ckpt.plan(model, result.config).checkpointed)
+    # a per-block plan as fast as the fastest level is kept (a tie goes to the plan)
+    monkeypatch.setattr(planner, "_step_seconds", lambda work, target: 1.2)
+    result = plan_for_budget(model, _x(), budget, batch_size=8, config=CONFIG)
+    assert result.uniform_level is None and result.strategies and result.step_time == 1.2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet18", "vit_small_patch16_224", "convnext_tiny"])
+def test_never_slower_than_a_uniform_level_at_batch_32(name) -> None:
+    """The issue's done-when: budgets between level 0's peak and the top level's, batch 32."""
+    import timm
+
+    model = timm.create_model(name, pretrained=False)
+    x = torch.randn(4, 3, 224, 224)
+    suggestion = vision_ckpt.suggest_level(model, x, "1TiB", batch_size=32)
+    peaks = suggestion.predicted_peak
+    low, high = min(peaks.values()), peaks[0]
+    for share in (0.2, 0.5, 0.8):
+        _check_never_slower(model, x, int((low + share * (high - low)) * 1.05), 32)
