@@ -803,18 +803,26 @@ def _run(
     if torch.compiler.is_compiling() or _proxy_tracing():
         # Under torch.compile / export tracing, hand the region to torch's own non-reentrant
         # checkpoint, which dynamo and AOTAutograd understand as a higher-order op.
+        # The region counts as running, as in eager, so that regions inside it take the
+        # nesting decisions they take in eager (wrapper's NOTE [ Nesting ]): the partitioner
+        # recomputes the traced graph, never this code, so forward and recomputation agree.
         if context_fn is not None:
             kwargs["context_fn"] = context_fn
-        return _torch_ckpt.checkpoint(
-            function,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=preserve_rng_state,
-            determinism_check=determinism_check,
-            debug=debug,
-            early_stop=early_stop,
-            **kwargs,
-        )
+        state = _state
+        state.region_depth += 1
+        try:
+            return _torch_ckpt.checkpoint(
+                function,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=preserve_rng_state,
+                determinism_check=determinism_check,
+                debug=debug,
+                early_stop=early_stop,
+                **kwargs,
+            )
+        finally:
+            state.region_depth -= 1
     if use_reentrant:
         raise ValueError(
             "vision_ckpt.checkpoint is the non-reentrant checkpoint; got use_reentrant=True. "
@@ -967,6 +975,15 @@ def _save_inputs(tensors: list[torch.Tensor]) -> list[Any]:
 
 def _proxy_tracing() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
+def compiling() -> bool:
+    """True while torch.compile or export traces the running code: dynamo, or AOTAutograd
+    running a region's higher-order op on functional or proxy tensors (where a region's
+    ``context_fn`` is called). Code that must hand torch something it can trace checks this."""
+    if torch.compiler.is_compiling() or _proxy_tracing():
+        return True
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None
 
 
 def _default_device() -> torch.device | None:

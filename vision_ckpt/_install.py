@@ -19,7 +19,7 @@ from torch import nn
 
 from ._lean import lean_mlp_forward
 from .errors import CheckpointError, ConfigError
-from .wrapper import ChainCall, Policy, lean_now, run_policy, run_segments
+from .wrapper import ChainCall, Policy, compile_note, lean_now, run_policy, run_segments
 
 __all__ = [
     "CheckpointedForward",
@@ -89,14 +89,15 @@ class _LeanForward:
                 return out
         else:
             why = "it was called with other than one tensor"
-        if why not in self.warned:
+        message = (
+            f"{run.name!r} runs its own forward, not the lean one its level asks for: "
+            f"{why}. Its gradients are exact; it holds one hidden-size tensor more."
+        )
+        if torch.compiler.is_compiling():  # NOTE [ Warnings under torch.compile ] in wrapper
+            compile_note(f"{run.name}: {why}", message)
+        elif why not in self.warned:
             self.warned.add(why)
-            warnings.warn(
-                f"{run.name!r} runs its own forward, not the lean one its level asks for: "
-                f"{why}. Its gradients are exact; it holds one hidden-size tensor more.",
-                UserWarning,
-                stacklevel=4,
-            )
+            warnings.warn(message, UserWarning, stacklevel=4)
         return run(*args, **kwargs)
 
 

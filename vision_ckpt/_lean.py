@@ -147,6 +147,10 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 def _functorch_running() -> bool:
+    if torch.compiler.is_compiling():
+        # while dynamo traces, this query sees dynamo's own state, not a user's transform;
+        # dynamo traces the autograd.Function's forward and backward itself
+        return False
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
     return peek is not None and peek() is not None
 
@@ -186,8 +190,6 @@ def lean_mlp_forward(module: nn.Module, x: Any) -> tuple[torch.Tensor | None, st
             return None, "autocast leaves a float64 tensor as it is"
     elif len({t.dtype for t in tensors}) > 1:
         return None, "its input and parameters differ in dtype"
-    if torch.compiler.is_compiling():
-        return None, "it is being compiled"
     approximate = _gelu_approximation(module.act)
     if autocast:
         # autocast would cast the five tensors for each linear: cast them once here, where

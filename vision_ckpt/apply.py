@@ -181,6 +181,25 @@ class CheckpointPlan:
         raise KeyError(f"module {name!r} is not in the plan")
 
     @property
+    def runs(self) -> tuple[tuple[PlanEntry, str], ...]:
+        """Every entry that starts a run of sibling calls (a rule's ``through``), with the
+        run's label (``'blocks.0.norm1..drop_path1'``)."""
+        return tuple((e, _run_label(e)) for e in self.entries if e.through is not None)
+
+    @property
+    def not_compiled(self) -> tuple[str, ...]:
+        """The runs of sibling calls that apply at the plan's training level but not under
+        torch.compile: there the run's first module is checkpointed alone with the run's rung,
+        the others as their own rules say, and the first compiled call warns once per run.
+        Everything else applies under torch.compile as in eager (docs/compile.md)."""
+        level = self.training_level
+        return tuple(
+            label
+            for e, label in self.runs
+            if any(r.through is not None and is_checkpointed(r.level, level) for r in e.rungs)
+        )
+
+    @property
     def levels(self) -> dict[str, Level]:
         """``{qualified name: level}`` of every selected module."""
         return {e.name: e.level for e in self.entries}
@@ -247,7 +266,16 @@ class CheckpointPlan:
             )
         buffer = io.StringIO()
         Console(file=buffer, width=140, color_system=None, force_terminal=False).print(table)
-        return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines()) + "\n"
+        text = "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
+        runs = self.not_compiled
+        if runs:
+            shown = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more" if len(runs) > 4 else "")
+            text += (
+                f"\nUnder torch.compile {len(runs)} run(s) of sibling calls are not applied "
+                f"({shown}): each run's first module is checkpointed alone, the others as "
+                "their own rules say; gradients stay exact, memory differs."
+            )
+        return text + "\n"
 
 
 def _decide(entries: tuple[PlanEntry, ...], level: Level, nesting: str) -> tuple[PlanEntry, ...]:
@@ -273,6 +301,11 @@ def _decide(entries: tuple[PlanEntry, ...], level: Level, nesting: str) -> tuple
             on[e.name] = rung  # type: ignore[assignment]
         out.append(replace(e, checkpointed=decided) if decided != e.checkpointed else e)
     return tuple(out)
+
+
+def _run_label(entry: PlanEntry) -> str:
+    """The label of the run ``entry`` starts, as errors and warnings quote it."""
+    return f"{entry.name}..{entry.through}"
 
 
 def _is_ancestor(name: str, of: str) -> bool:
@@ -877,7 +910,7 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
             install_chain(
                 [(model.get_submodule(n), n, own.get(n)) for n in names],
                 _policy(the_plan, entry, shared),
-                f"{entry.name}..{entry.through}",
+                _run_label(entry),
                 nested=group,
             )
     return the_plan

@@ -85,7 +85,7 @@ __all__ = [
 ]
 # Used by the install layer (vision_ckpt._install), not re-exported by the package:
 # Rung, Policy, choose_rung, lean_now, run_policy, run_segments, segment_size, ChainCall,
-# SaveOps, HEAVY_OPS, flops_per_output.
+# SaveOps, HEAVY_OPS, flops_per_output, compile_note.
 
 
 # The process-wide training level (not thread-local: DataParallel replicas run forward on their
@@ -507,7 +507,8 @@ class ChainCall:
         if rung is None or rung.through is None or not isinstance(x, torch.Tensor):
             return None
         if torch.compiler.is_compiling():
-            return None  # under torch.compile the modules run as they are
+            note_run_not_compiled(label)
+            return None
         region = _core.ChainRegion(
             x, modules=modules, label=label, preserve_rng_state=policy.preserve_rng_state
         )
@@ -521,6 +522,51 @@ class ChainCall:
         """``None`` when a call now may join the run, else why not (grad mode, autocast or
         the enclosing region differ from the first call's)."""
         return self.region.same_context()
+
+
+# NOTE [ Warnings under torch.compile ]
+#
+# While dynamo traces a forward, a call to warnings.warn would break the graph (and inside a
+# checkpointed region, dynamo could not capture the region as one higher-order op at all). So
+# what must warn under torch.compile calls compile_note, which is marked as a function with a
+# constant result: dynamo runs it for real while it traces (at the first compiled call, and
+# again only when it traces again), puts its result into the graph as a constant, and traces
+# on. It warns once per key, so a retrace says nothing new.
+
+_compile_notes_shown: set[str] = set()
+
+
+@torch.compiler.assume_constant_result
+def compile_note(key: str, message: str) -> bool:
+    """Warn ``message`` once per ``key``, also from code dynamo traces (NOTE [ Warnings under
+    torch.compile ]); True when it warned.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     compile_note("doctest", "shown once"), compile_note("doctest", "shown once")
+    (True, False)
+    >>> len(caught)
+    1
+    """
+    if key in _compile_notes_shown:
+        return False
+    _compile_notes_shown.add(key)
+    warnings.warn(message, UserWarning, stacklevel=2)
+    return True
+
+
+def note_run_not_compiled(label: str) -> None:
+    """Warn once that the run ``label`` (``'blocks.0.norm1..drop_path1'``) is not applied under
+    torch.compile, and what runs instead."""
+    compile_note(
+        label,
+        f"the checkpointed run {label!r} is not applied under torch.compile: its first module "
+        "is checkpointed alone with the run's rung and the others as their own rules say "
+        "(torch's checkpoint needs a region as one function, and a run is made of calls from "
+        "its parent's forward). Gradients are exact; the memory is not the plan's. "
+        "CheckpointPlan.not_compiled lists every such run. (Shown once per run.)",
+    )
 
 
 def segment_size(rung: Rung, n: int) -> int:
@@ -651,7 +697,7 @@ class SaveOps:
             self._ops = frozenset(ops)
         return self._ops
 
-    def keeps(self, op: Any, args: Sequence[Any]) -> bool:
+    def keeps(self, op: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
         """Whether the output of ``op`` called on ``args`` is kept (else it is recomputed).
 
         >>> x = torch.empty(4, 96), torch.empty(96, 8)
@@ -662,6 +708,9 @@ class SaveOps:
         """
         ops = self.resolve()
         if op not in ops and getattr(op, "overloadpacket", op) not in ops:
+            return False
+        # never a random one: NOTE [ Random operators are recomputed ]
+        if _draws_random_numbers(op, args, kwargs or {}):
             return False
         if self.recompute_below is not None:
             cost = flops_per_output(op, args)
@@ -677,11 +726,22 @@ class SaveOps:
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
             if not ctx.is_recompute:
                 met.add(getattr(op, "overloadpacket", op))
-            return must_save if self.keeps(op, args) else recompute
+            return must_save if self.keeps(op, args, kwargs) else recompute
 
         forward_ctx, recompute_ctx = torch.utils.checkpoint.create_selective_checkpoint_contexts(
             policy
         )
+        if _core.compiling():
+            # NOTE [ Selective regions under torch.compile ]
+            # Under torch.compile the region is torch's checkpoint higher-order op, and
+            # AOTAutograd calls this context_fn while it traces the op on functional and proxy
+            # tensors: it needs torch's two dispatch modes themselves, which tag each traced
+            # operator with the policy's decision for the partitioner. Nothing is cached by
+            # reference there (functionalisation turns writes into new tensors), so the write
+            # guard has nothing to protect, and reading storage pointers of traced tensors
+            # would fail. The operators met are still recorded by the policy; the report of
+            # unmet names happens at the first eager recomputation only.
+            return forward_ctx, recompute_ctx
         # What the selective cache keeps goes through the saved-tensor hooks around the region
         # (count_saved_bytes, save_on_cpu), as autograd's saved tensors do; the core's hooks
         # follow torch's protocol for finding them (NOTE [ Nested checkpoints ] in _core).
@@ -810,6 +870,39 @@ class _KeepBeforeWrite(TorchDispatchMode):
                 ):
                     wrapper.val = value.clone()
                     wrapper.version = wrapper.val._version
+
+
+# NOTE [ Random operators are recomputed ]
+#
+# An operator tagged ``nondeterministic_seeded`` draws from a generator (native_dropout,
+# bernoulli, the fused attention kernels with dropout_p > 0 on CUDA). If a selective region kept
+# its output, the recomputation would return the cached tensor without running the kernel: the
+# generator would not advance, and every random operator after it in the region (dropout,
+# drop-path) would draw another mask than the forward did -- silently wrong gradients. So such
+# an operator is always recomputed, whatever save_ops names, and the recomputation, which starts
+# from the forward's RNG state (NOTE [ RNG state ] in _core), draws exactly what it drew.
+# SDPA kernels are only seeded when called with dropout_p > 0: one without dropout is kept.
+
+
+def _draws_random_numbers(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of ``op`` draws from a generator (NOTE [ Random operators are
+    recomputed ]): it is tagged ``nondeterministic_seeded``, and if it has a ``dropout_p``
+    argument (the fused attention kernels), that is not zero.
+
+    >>> aten = torch.ops.aten
+    >>> _draws_random_numbers(aten.native_dropout.default, (torch.empty(2), 0.1, True), {})
+    True
+    >>> _draws_random_numbers(aten.mm.default, (torch.empty(2, 2), torch.empty(2, 2)), {})
+    False
+    """
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    schema = getattr(op, "_schema", None)
+    for index, argument in enumerate(schema.arguments if schema is not None else ()):
+        if argument.name == "dropout_p":
+            value = args[index] if index < len(args) else kwargs.get("dropout_p", 0.0)
+            return not (isinstance(value, (int, float)) and value == 0)
+    return True
 
 
 def _op_name(packet: Any) -> str:
