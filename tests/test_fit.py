@@ -14,10 +14,11 @@ import copy
 import pytest
 import timm
 import torch
+from _models import TinyViT
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt import CheckpointConfig, ConfigError
+from vision_ckpt import CheckpointConfig
 from vision_ckpt._measure import Workload, measure_memory
 from vision_ckpt.models import output_loss
 
@@ -137,3 +138,21 @@ def test_bad_arguments_say_what_was_expected(kwargs, message) -> None:
     args = {"input_shape": (3, 32, 32), "budget": "1GiB"} | kwargs
     with pytest.raises(vision_ckpt.VisionCkptError, match=message):
         vision_ckpt.max_batch(_resnet(), **args)
+
+
+def test_the_planner_row_plans_at_the_best_levels_batch() -> None:
+    config = CheckpointConfig(
+        rules=[
+            {"match": "blocks.*", "level": 1, "strategy": "selective"},
+            {"match": "blocks.*", "level": 3},
+        ]
+    )
+    torch.manual_seed(0)
+    fit = vision_ckpt.max_batch(
+        TinyViT(img=32, depth=6), (3, 32, 32), "8MiB", levels=[0, 3], config=config, planner=True
+    )
+    best, planner = fit.best_level(), fit.row("planner")
+    assert best.level == 3 and planner.max_batch == best.max_batch
+    assert planner.predicted_peak <= 8 * 2**20 and planner.level is None
+    assert planner.note.startswith("the planner at level 3's batch: ")
+    assert "timed beside the levels: " in planner.note

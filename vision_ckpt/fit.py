@@ -472,11 +472,20 @@ def _planner_row(
         )
     seconds = planned.step_time or planned.predicted_time
     per_sample = seconds / batch if seconds else None
+    fastest = planned.fastest_uniform()
+    scale = ""
+    if fastest is not None and per_sample is not None:
+        # the planner times the plan and the levels on its own small batches: compare there
+        level_time = planned.uniform[fastest]["time"] / batch
+        scale = (
+            f"; timed beside the levels: {per_sample * 1000:.3g} ms/sample against level "
+            f"{fastest}'s {level_time * 1000:.3g}"
+        )
     return FitRow(
         "planner",
         None,
         batch,
         predicted_peak=planned.predicted_peak,
         time_per_sample_s=per_sample,
-        note=f"the planner at level {best.level}'s batch: {planned.explain()}",
+        note=f"the planner at level {best.level}'s batch: {planned.explain()}{scale}",
     )
