@@ -730,7 +730,13 @@ def _uniform_levels(
             with training_level(level):
                 peak = extrapolated_peak(peak_measurer(work), target, limit)[0]
                 fits = peak <= goal
-                seconds = max(floor, _step_seconds(work, target)) if fits else None
+                plain = not any(rung is not None or lean for _, rung, lean, _ in signature)
+                if not fits:
+                    seconds = None
+                elif plain:  # checkpoints nothing: the plain step, timed as base_time already
+                    seconds = floor
+                else:
+                    seconds = max(floor, _step_seconds(work, target))
             out[level] = {"peak": peak, "fits": fits, "time": seconds}
     return dict(sorted(out.items()))
 
