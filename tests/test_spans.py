@@ -1,0 +1,193 @@
+"""trace_spans (vision_ckpt/_spans.py): the candidate regions one traced forward gives, on a
+hand-built model whose every span is known, and on timm models against what their
+hand-written presets name; every emitted rule plans, and training under it stays exact."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import pytest
+import timm
+import torch
+from timm.layers import Mlp
+from torch import nn
+
+from vision_ckpt._spans import Span, trace_spans
+from vision_ckpt.apply import apply, plan
+
+
+class _Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.norm = nn.BatchNorm2d(c)
+        self.act = nn.ReLU()
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.act(self.norm(self.conv(x))))
+
+
+class _Net(nn.Module):
+    """A stem that is no module (conv, bn, act, pool called one by one), four equal residual
+    blocks, a timm Mlp called after the head was registered (so mlp..head is no run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.act = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.blocks = nn.Sequential(*[_Block(8) for _ in range(4)])
+        self.head = nn.Linear(8, 10)
+        self.mlp = Mlp(8, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.act(self.bn(self.conv(x))))
+        x = self.blocks(x).mean((2, 3))
+        return self.head(self.mlp(x))
+
+
+def _pairs(names: list[str], prefix: str = "") -> set[str]:
+    """Labels of every contiguous run of two or more of ``names``."""
+    return {
+        f"{prefix}{names[i]}..{names[j]}"
+        for i in range(len(names))
+        for j in range(i + 1, len(names))
+    }
+
+
+def _by_kind(spans: list[Span], kind: str) -> set[str]:
+    return {s.label for s in spans if s.kind == kind}
+
+
+def test_hand_built_model_gives_exactly_its_spans() -> None:
+    torch.manual_seed(0)
+    spans = trace_spans(_Net().train(), torch.randn(2, 3, 8, 8))
+    mlp = ["fc1", "act", "drop1", "norm", "fc2", "drop2"]
+    expected_runs = (
+        (_pairs(["conv", "bn", "act", "pool"]) - {"act..pool"})  # act is in place
+        | {r for i in range(4) for r in _pairs(["conv", "norm", "act", "drop"], f"blocks.{i}.")}
+        # all of the Mlp is the module itself; its p=0 dropout and identity norm return their
+        # input and start nothing
+        | {r for r in _pairs(mlp, "mlp.") if r.startswith(("mlp.fc1", "mlp.act", "mlp.fc2"))}
+        - {"mlp.fc1..drop2"}
+    )
+    assert _by_kind(spans, "run") == expected_runs
+    assert _by_kind(spans, "block") == {f"blocks.{i}" for i in range(4)}
+    assert _by_kind(spans, "stage") == {"blocks"}
+    assert _by_kind(spans, "groups") == {"blocks"}
+    assert _by_kind(spans, "lean") == {"mlp"}
+    modules = _by_kind(spans, "module")
+    assert {"blocks.0", "conv", "pool"} <= modules and not {"", "act"} & modules
+    stem = next(s for s in spans if s.label == "conv..pool")
+    assert stem.members == ("conv", "bn", "act", "pool")
+    assert stem.rule(2) == {"match": "conv", "level": 2, "through": "pool"}
+    assert [s.order for s in spans] == sorted(s.order for s in spans)
+
+
+def _step(model: nn.Module, x: torch.Tensor, counter: Any = None) -> dict[str, Any]:
+    torch.manual_seed(7)  # dropout and drop-path draw the same masks in every run
+    with counter if counter is not None else contextlib.nullcontext():
+        out = model(x)
+        out.float().square().mean().backward()
+    return {
+        "out": out.detach(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+    }
+
+
+def _ops(counter: Any) -> int:
+    return sum(counter.counts.values())
+
+
+def test_every_span_of_the_hand_built_model_trains_exactly(assert_exact, op_counter) -> None:
+    torch.manual_seed(0)
+    base = _Net().train()
+    x = torch.randn(2, 3, 8, 8)
+    spans = trace_spans(base, x)
+    plain = op_counter()
+    ref = _step(copy.deepcopy(base), x, plain)
+    for span in spans:
+        model = copy.deepcopy(base)
+        apply(model, {"training_checkpoint_level": 3, "rules": [span.rule(3)]})
+        counted = op_counter()
+        got = _step(model, x, counted)
+        assert_exact(got, ref, where=f"{span.kind} {span.label}")
+        if span.kind != "lean":  # a region runs its forward again in backward
+            assert _ops(counted) > _ops(plain), f"{span.kind} {span.label} recomputed nothing"
+
+
+MODELS = {
+    "resnet18": (lambda: timm.create_model("resnet18", drop_path_rate=0.1), 64),
+    "vit_tiny": (
+        lambda: timm.create_model(
+            "vit_tiny_patch16_224",
+            img_size=32,
+            patch_size=8,
+            depth=3,
+            drop_rate=0.1,
+            drop_path_rate=0.1,
+        ),
+        32,
+    ),
+    "convnext_atto": (lambda: timm.create_model("convnext_atto", drop_path_rate=0.1), 64),
+    "efficientnet_b0": (lambda: timm.create_model("efficientnet_b0", drop_path_rate=0.1), 64),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tracer_finds_what_the_preset_names(name: str) -> None:
+    make, size = MODELS[name]
+    torch.manual_seed(0)
+    model = make().train()
+    spans = trace_spans(model, torch.randn(1, 3, size, size))
+    preset = plan(model, {"preset": "auto", "training_checkpoint_level": 5})
+    # the runs of sibling calls the hand-tuning wrote (stems, attention halves, conv + BN-act)
+    assert {label for _, label in preset.runs} <= _by_kind(spans, "run")
+    # the stacks it groups by sqrt(n), the MLPs it makes lean
+    grouped = {e.name for e in preset for r in e.rungs if r.segments is not None}
+    assert grouped <= _by_kind(spans, "groups")
+    assert {e.name for e in preset if e.lean is not None} <= _by_kind(spans, "lean")
+    # and every rule the tracer emits is one plan() accepts on this model
+    for span in spans:
+        plan(model, {"training_checkpoint_level": 5, "rules": [span.rule(5)]})
+    if name in ("resnet18", "efficientnet_b0", "vit_tiny"):
+        assert preset.runs, "the preset names runs: the comparison above must not be empty"
+
+
+def _config_of(spans: list[Span], labels: list[str], kinds: tuple[str, ...]) -> dict[str, Any]:
+    chosen = [s for s in spans if s.label in labels and s.kind in kinds]
+    assert {s.label for s in chosen} == set(labels)
+    return {"training_checkpoint_level": 3, "rules": [s.rule(3) for s in chosen]}
+
+
+@pytest.mark.parametrize(
+    ("name", "labels", "kinds"),
+    [
+        ("resnet18", ["conv1..maxpool", "layer2", "layer3.0"], ("run", "stage", "block")),
+        (
+            "vit_tiny",
+            ["blocks", "blocks.0.norm1..drop_path1", "blocks.1.norm2..drop_path2", "blocks.2.mlp"],
+            ("run", "groups", "lean"),
+        ),
+    ],
+)
+def test_traced_rules_train_exactly_on_timm(
+    name: str, labels: list[str], kinds: tuple[str, ...], assert_exact, op_counter
+) -> None:
+    make, size = MODELS[name]
+    torch.manual_seed(0)
+    base = make().train()
+    x = torch.randn(2, 3, size, size)
+    cfg = _config_of(trace_spans(base, x), labels, kinds)
+    plain = op_counter()
+    ref = _step(copy.deepcopy(base), x, plain)
+    model = copy.deepcopy(base)
+    apply(model, cfg)
+    counted = op_counter()
+    assert_exact(_step(model, x, counted), ref)
+    assert _ops(counted) > _ops(plain)
