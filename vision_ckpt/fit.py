@@ -73,7 +73,8 @@ class FitRow:
     linear_error: float | None = None
     """Relative miss of the third batch's peak predicted from the first two."""
     linear: bool = True
-    """Whether ``linear_error`` is within the tolerance (and the runs' operators matched)."""
+    """Whether ``linear_error`` is within the tolerance and the runs' operators matched (not
+    checked, and ``True``, when only two batches were measured: ``note`` says so)."""
     note: str = ""
     """Anything the numbers need beside them (not linear, same plan as another level, ...)."""
 
@@ -261,6 +262,8 @@ def _row(
             f"not linear in the batch: batch {points.batches[2]}'s peak is {error:.1%} off the "
             f"line through batches {points.batches[0]} and {points.batches[1]}"
         )
+    if error is None:
+        notes.append("linearity not checked (two batches measured)")
     top = _largest(last, goal, cap)
     return FitRow(
         label=label,
@@ -277,7 +280,12 @@ def _row(
 
 def _check_batches(batches: Sequence[int]) -> tuple[int, ...]:
     out = tuple(int(b) for b in batches)
-    if len(out) < 2 or len(set(out)) != len(out) or list(out) != sorted(out) or out[0] < 1:
+    if (
+        len(out) not in (2, 3)
+        or len(set(out)) != len(out)
+        or list(out) != sorted(out)
+        or out[0] < 1
+    ):
         raise ConfigError(
             f"batches={tuple(batches)} is not valid; expected two or three increasing positive "
             "batch sizes, e.g. (2, 3, 4): the third checks that bytes are linear in the batch"
