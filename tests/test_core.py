@@ -8,10 +8,11 @@ directly (``plain``) and once through ``vision_ckpt.checkpoint``; outputs and ev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -1217,3 +1218,127 @@ def test_inputs_saved_through_an_autograd_function_on_older_torch(
     assert without_make_saved_tensor, "the fallback was not used"
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# NOTE [ Settings that choose kernels ]: the recomputation runs under the forward's settings
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _switch(get: Callable[[], Any], put: Callable[[Any], None], value: Any) -> Iterator[None]:
+    """Set a global switch to ``value`` inside the block, and restore it after."""
+    previous = get()
+    put(value)
+    try:
+        yield
+    finally:
+        put(previous)
+
+
+_cuda = torch.backends.cuda
+_cudnn = torch.backends.cudnn
+
+
+def _sdpa_flags() -> tuple[bool, ...]:
+    return (
+        _cuda.flash_sdp_enabled(),
+        _cuda.mem_efficient_sdp_enabled(),
+        _cuda.math_sdp_enabled(),
+        _cuda.cudnn_sdp_enabled(),
+    )
+
+
+def _determinism() -> tuple[bool, bool]:
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+
+
+def _cudnn_flags() -> tuple[bool, ...]:
+    return (_cudnn.enabled, _cudnn.benchmark, _cudnn.deterministic, _cudnn.allow_tf32)
+
+
+def _cublas_flags() -> tuple[Any, ...]:
+    m = _cuda.matmul
+    return (
+        m.allow_tf32,
+        m.allow_fp16_reduced_precision_reduction,
+        m.allow_bf16_reduced_precision_reduction,
+    )
+
+
+def _set_cublas(flags: tuple[Any, ...]) -> None:
+    m = _cuda.matmul
+    m.allow_tf32 = flags[0]
+    m.allow_fp16_reduced_precision_reduction = flags[1]
+    m.allow_bf16_reduced_precision_reduction = flags[2]
+
+
+# name -> (a context manager factory that changes the setting, a reader of the setting)
+KERNEL_SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+    "sdpa_kernel": (
+        lambda: torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]),
+        _sdpa_flags,
+    ),
+    "deterministic_algorithms": (
+        lambda: _switch(
+            _determinism,
+            lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+            (True, True),
+        ),
+        _determinism,
+    ),
+    "float32_matmul_precision": (
+        lambda: _switch(
+            torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, "medium"
+        ),
+        torch.get_float32_matmul_precision,
+    ),
+    "cudnn_flags": (
+        lambda: _cudnn.flags(enabled=False, benchmark=True, deterministic=True, allow_tf32=False),
+        _cudnn_flags,
+    ),
+    "cublas_flags": (
+        lambda: _switch(_cublas_flags, _set_cublas, (True, False, False)),
+        _cublas_flags,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_SETTINGS))
+def test_recomputation_runs_under_the_forwards_kernel_settings(name: str, assert_exact) -> None:
+    """Each setting is changed around the forward only; backward runs outside it. The region
+    records the setting each time it runs: the recomputation must see the forward's value, and
+    the gradients must equal the plain run's (whose backward uses what the forward saved). For
+    the SDPA backends this is also what keeps the saved tensors the same: the math backend saves
+    other tensors than the fused CPU kernel the default flags pick."""
+    change, read = KERNEL_SETTINGS[name]
+    torch.manual_seed(0)
+    qkv, proj = nn.Linear(16, 48), nn.Linear(16, 16)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    seen: list[Any] = []
+
+    def region(t: torch.Tensor) -> torch.Tensor:
+        seen.append(read())
+        q, k, v = qkv(t).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v)
+        return proj(F.gelu(attn.transpose(1, 2).reshape(2, 5, 16)))
+
+    outside = read()
+    results = []
+    for run in (region, functools.partial(checkpoint, region)):
+        for p in (*qkv.parameters(), *proj.parameters(), x):
+            p.grad = None
+        seen.clear()
+        with change():
+            out = run(x)
+            inside = read()
+        assert inside != outside, "the test must change the setting"
+        assert read() == outside
+        out.square().sum().backward()
+        results.append((out, x.grad, [p.grad for p in (*qkv.parameters(), *proj.parameters())]))
+    assert seen == [inside, inside]  # the forward, then the recomputation
+    assert read() == outside  # and the recomputation put the backward's setting back
+    assert_exact(results[1], results[0])

@@ -285,3 +285,55 @@ def test_recompute_below_redoes_cheap_convolutions_only() -> None:
     assert flops_per_output(conv, depthwise) == 18
     assert flops_per_output(conv, dense3x3) == 1152
     assert flops_per_output(torch.ops.aten.relu.default, (x,)) is None
+
+
+class _SeededThenRandom(nn.Module):
+    """A seeded operator (native_dropout) followed by dropout and drop-path (bernoulli_), all in
+    one region: if the first one's output were kept, recomputation would not advance the
+    generator and the later masks would differ from the forward's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = torch.native_dropout(self.fc1(x), 0.3, True)
+        h = nn.functional.dropout(nn.functional.gelu(h), 0.2, training=True)
+        keep = x.new_empty(x.shape[0], 1).bernoulli_(0.7) / 0.7  # drop-path
+        return x + self.fc2(h) * keep
+
+
+def test_a_seeded_operator_named_in_save_ops_is_recomputed(assert_exact) -> None:
+    """NOTE [ Random operators are recomputed ]: save_ops names aten.native_dropout, yet its
+    output is not kept, so the recomputation draws what the forward drew and the gradients equal
+    the plain model's exactly (keeping it would shift the dropout and drop-path masks after it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_SeededThenRandom(), _SeededThenRandom()).train()
+    x = torch.randn(6, 8, requires_grad=True)
+
+    def step(net: nn.Module) -> tuple:
+        net.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(7)
+        net(x).square().sum().backward()
+        return [p.grad.clone() for p in net.parameters()], x.grad.clone()
+
+    reference = step(model)
+    vision_ckpt.apply(
+        model,
+        {
+            "training_checkpoint_level": 1,
+            "rules": [{"match": "*", "level": 1, "strategy": "selective"}],
+            "selective": {"save_ops": ["aten.native_dropout", "aten.addmm"]},
+        },
+    )
+    assert_exact(step(model), reference)
+    from vision_ckpt.wrapper import SaveOps
+
+    keep = SaveOps(["aten.native_dropout", "aten.addmm"])
+    op = torch.ops.aten.native_dropout.default
+    assert not keep.keeps(op, (x, 0.3, True))
+    sdpa = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    fused = SaveOps(["aten._scaled_dot_product_efficient_attention"])
+    assert not fused.keeps(sdpa, (x, x, x, None, True, 0.1))  # dropout_p > 0: it draws
+    assert fused.keeps(sdpa, (x, x, x, None, True, 0.0))  # no dropout: kept as before

@@ -199,6 +199,7 @@ class _Frame:
         "rng",
         "batchnorms",
         "autocast",
+        "settings",
         "recompute_ctx",
         "device_ctx",
         "done",
@@ -374,6 +375,126 @@ def _capture_autocast(device_type: str) -> tuple[Any, ...] | None:
         torch.get_autocast_dtype(device_type) if dev_on else None,
         torch.is_autocast_cache_enabled(),
     )
+
+
+# NOTE [ Settings that choose kernels ]
+#
+# Besides autocast, global switches decide which kernel an operator runs, and so what it
+# computes and saves: the SDPA backends (``torch.nn.attention.sdpa_kernel`` flips the
+# flash/mem-efficient/math/cuDNN flags and their priority), deterministic algorithms (and
+# warn_only), the float32 matmul precision, cuBLAS's TF32 and reduced-precision reductions, and
+# cuDNN's enabled/benchmark/deterministic/TF32 flags. A forward run under
+# ``with sdpa_kernel(...)`` whose backward runs outside it would otherwise recompute with another
+# kernel: different values, a different set of saved tensors, or a kernel that must not be
+# used. So every region reads these switches when it is called (``_capture_settings``, next to
+# the autocast state), and its recomputation sets back those that differ and restores the
+# current ones afterwards (``_Settings``). Invariant: the recomputation runs under the settings
+# its forward ran under, whatever the code around backward set. A switch torch refuses to read
+# (a mix of its legacy and new TF32 APIs) is left as it is. The values are restored through the
+# legacy setters, in the order of the table, so the float32 matmul precision is set before the
+# TF32 flag it implies.
+
+
+def _setting_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...]:
+    C = torch._C
+    simple = (
+        ("_get_flash_sdp_enabled", "_set_sdp_use_flash"),
+        ("_get_mem_efficient_sdp_enabled", "_set_sdp_use_mem_efficient"),
+        ("_get_math_sdp_enabled", "_set_sdp_use_math"),
+        ("_get_cudnn_sdp_enabled", "_set_sdp_use_cudnn"),
+        ("_get_overrideable_sdp_enabled", "_set_sdp_use_overrideable"),
+        ("_get_fa3_sdp_enabled", "_set_sdp_use_fa3"),
+        ("_get_sdp_priority_order", "_set_sdp_priority_order"),
+        ("_get_math_sdp_allow_fp16_bf16_reduction", "_set_math_sdp_allow_fp16_bf16_reduction"),
+        (
+            "_get_deterministic_fill_uninitialized_memory",
+            "_set_deterministic_fill_uninitialized_memory",
+        ),
+        ("_get_float32_matmul_precision", "_set_float32_matmul_precision"),
+        ("_get_cublas_allow_tf32", "_set_cublas_allow_tf32"),
+        ("_get_cublas_allow_fp16_accumulation", "_set_cublas_allow_fp16_accumulation"),
+        (
+            "_get_cpu_allow_fp16_reduced_precision_reduction",
+            "_set_cpu_allow_fp16_reduced_precision_reduction",
+        ),
+        ("_get_cudnn_enabled", "_set_cudnn_enabled"),
+        ("_get_cudnn_benchmark", "_set_cudnn_benchmark"),
+        ("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
+        ("_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32"),
+        ("_get_mkldnn_deterministic", "_set_mkldnn_deterministic"),
+    )
+    pairs = (
+        (
+            "_get_cublas_allow_fp16_reduced_precision_reduction",
+            "_set_cublas_allow_fp16_reduced_precision_reduction",
+        ),
+        (
+            "_get_cublas_allow_bf16_reduced_precision_reduction",
+            "_set_cublas_allow_bf16_reduced_precision_reduction",
+        ),
+    )
+    table: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
+    for get, put in simple:
+        if hasattr(C, get) and hasattr(C, put):
+            table.append((getattr(C, get), getattr(C, put)))
+    if hasattr(C, "_get_deterministic_algorithms"):
+        table.append(
+            (
+                lambda: (
+                    C._get_deterministic_algorithms(),
+                    C._get_deterministic_algorithms_warn_only(),
+                ),
+                lambda value: C._set_deterministic_algorithms(value[0], warn_only=value[1]),
+            )
+        )
+    for get, put in pairs:  # (allow, allow_splitk) in torch 2.14; one bool before
+        if hasattr(C, get) and hasattr(C, put):
+            setter = getattr(C, put)
+            table.append(
+                (getattr(C, get), lambda v, s=setter: s(*v) if isinstance(v, tuple) else s(v))
+            )
+    return tuple(table)
+
+
+_SETTINGS = _setting_table()
+_UNREADABLE = object()
+
+
+def _read(get: Callable[[], Any]) -> Any:
+    try:
+        return get()
+    except RuntimeError:  # torch refuses a mix of its legacy and new TF32 APIs
+        return _UNREADABLE
+
+
+def _capture_settings() -> tuple[Any, ...]:
+    """The kernel-choosing switches now (NOTE [ Settings that choose kernels ])."""
+    return tuple(_read(get) for get, _ in _SETTINGS)
+
+
+class _Settings:
+    """Sets back the switches of a region's forward that differ now, and restores them after."""
+
+    __slots__ = ("state", "previous")
+
+    def __init__(self, state: tuple[Any, ...]) -> None:
+        self.state = state
+        self.previous: list[Any] = []
+
+    def __enter__(self) -> None:
+        previous = self.previous = []
+        for (get, put), want in zip(_SETTINGS, self.state, strict=True):
+            now = _UNREADABLE if want is _UNREADABLE else _read(get)
+            if now is _UNREADABLE or now == want:
+                previous.append(_UNREADABLE)
+            else:
+                put(want)
+                previous.append(now)
+
+    def __exit__(self, *exc: Any) -> None:
+        for (_, put), old in reversed(list(zip(_SETTINGS, self.previous, strict=True))):
+            if old is not _UNREADABLE:
+                put(old)
 
 
 def _autocast_contexts(state: tuple[Any, ...] | None, device_type: str, out: list[Any]) -> None:
@@ -559,6 +680,8 @@ def _recompute_contexts(frame: _Frame) -> list[Any]:
     contexts: list[Any] = []
     device_type = frame.autocast[0] if frame.autocast is not None else "cuda"
     _autocast_contexts(frame.autocast, device_type, contexts)
+    if frame.settings != _capture_settings():  # NOTE [ Settings that choose kernels ]
+        contexts.append(_Settings(frame.settings))
     if frame.device_ctx is not None:
         contexts.append(torch.device(frame.device_ctx))
     if frame.recompute_ctx is not None:
@@ -962,6 +1085,7 @@ def _blank_frame(function: Callable[..., Any], label: str | None, check: bool) -
     frame.logs = None
     frame.same_as = None
     frame.device_ctx = _default_device() if torch._C._len_torch_function_stack() else None
+    frame.settings = _capture_settings()  # beside the autocast state, which needs the device
     return frame
 
 
@@ -1185,6 +1309,10 @@ class ChainRegion:
             return "grad mode is off"
         if _capture_autocast(self.device_type) != self.frame.autocast:
             return "autocast differs"
+        if _capture_settings() != self.frame.settings:
+            return (
+                "the kernel settings differ (SDPA backends, determinism, matmul precision, cuDNN)"
+            )
         if _top_pack_hook() is not self.outer:
             return "it runs inside another checkpointed region (or other saved-tensor hooks)"
         return None
