@@ -32,9 +32,10 @@ Sections (``--sections``, all by default), each on the models of ``--models``:
     a warmed-up step on CUDA, NOTE [ Two meters ] in ``vision_ckpt._measure``), with
     ``max_memory_reserved`` and the byte tracker's peak beside them. AdamW state included.
 ``suggest``
-    ``suggest_level`` and ``plan_for_budget`` for ``--budget`` (default: 60% of level 0's
-    allocated peak at ``--batch``), then the chosen plan run for real at ``--batch``: its
-    allocated and reserved peaks against the budget.
+    ``suggest_level`` and ``plan_for_budget`` for ``--budget`` (default: halfway between the
+    measured peaks of levels 5 and 0 at ``--batch``, at least 10% over level 5's), then the
+    chosen plan run for real at ``--batch``: its allocated and reserved peaks against the
+    budget.
 ``inductor``
     ``torch.compile`` (``--compile-backend``, inductor by default) at every level of
     ``--compile-models``: one training step's gradients against eager within ``--compile-rtol``
@@ -431,6 +432,16 @@ def failures(results: dict[str, Any]) -> list[str]:
                 )
             elif section == "suggest" and r.get("fits_allocated") is False:
                 out.append(f"{where} ({r['kind']}): its real step allocated over the budget")
+            elif (
+                section == "suggest"
+                and r.get("chose", "-") is None
+                and r.get("level5")
+                and r["budget"] >= 1.1 * r["level5"]
+            ):
+                out.append(
+                    f"{where} ({r['kind']}): nothing chosen, though level 5 measured "
+                    f"{r['level5'] / 1e6:.0f} MB against a {r['budget'] / 1e6:.0f} MB budget"
+                )
     return out
 
 
@@ -708,26 +719,26 @@ def check_suggest(
     for name in args.models:
         base = build(name, models[name])
         try:
-            if args.budget is not None:
-                budget = parse_memory_budget(args.budget)
-            else:
-                level0 = next(
-                    (
-                        r["measured"]
-                        for r in memory
-                        if r["model"] == name and r["level"] == 0 and r.get("measured")
-                    ),
-                    None,
-                )
-                if level0 is None:
-                    level0 = _real_peak(copy.deepcopy(base).to(args.device), big)[0]
-                budget = int(0.6 * level0)
+            peaks = {
+                r["level"]: r["measured"]
+                for r in memory
+                if r["model"] == name and r["level"] in (0, 5) and r.get("measured")
+            }
+            for level in (0, 5):
+                if level not in peaks:
+                    peaks[level] = _real_peak(_applied(base, level, args.device), big)[0]
+            # default: halfway between level 5's peak and level 0's, and 10% over level 5's
+            budget = (
+                parse_memory_budget(args.budget)
+                if args.budget is not None
+                else int(max((peaks[0] + peaks[5]) / 2, 1.1 * peaks[5]))
+            )
         except Exception as exc:  # noqa: BLE001
             rows.append({"model": name, "kind": "suggest", "error": "budget: " + _error(exc)})
             continue
         for kind in ("suggest", "planner"):
             row: dict[str, Any] = {"model": name, "kind": kind, "batch": args.batch}
-            row["budget"] = budget
+            row["budget"], row["level5"] = budget, peaks[5]
             try:
                 model = copy.deepcopy(base).to(args.device)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
