@@ -34,9 +34,11 @@ levels (issue 26, docs/derive.md) builds on.
 #    are attributed to ``(recomputation)``;
 # 3. in backward otherwise, the module whose backward is running: each module call's output
 #    node gets, in forward, an autograd pre-hook (the innermost call's, once per node) that
-#    records that module when backward reaches that node. Gradients made by a module's own
-#    operators after its last child's output node (a residual addition) are attributed to
-#    that child: the hooks mark where each module's backward starts, not where it ends;
+#    records that module when backward reaches that node (a call that returns an argument
+#    unchanged, an identity, marks nothing). A module's own operators between its children
+#    (a residual block's sum of the two gradients of its input) are attributed to the module
+#    marked last, the child whose backward ran just before: the hooks mark where each
+#    module's backward starts, not where it ends;
 # 4. after the step, records whose storage is a parameter's ``.grad`` become the group
 #    ``(parameter gradients)``.
 #
@@ -251,7 +253,8 @@ class _Calls:
 
     def __init__(self, model: nn.Module) -> None:
         self.names = {id(m): n for n, m in model.named_modules()}
-        self.stack: list[tuple[nn.Module, str]] = []
+        # each running call, with the autograd nodes of its arguments when it began
+        self.stack: list[tuple[nn.Module, str, set[int]]] = []
         self.backward_module = _LOSS  # rule 3; until a module's backward begins
         self.forward_done = False
         self.recomputed = False  # calls of a recomputation are on the stack
@@ -284,18 +287,25 @@ class _Calls:
             if is_recomputing() and not self.recomputed:
                 self.recomputed = True
                 self.stack_before_recompute = len(self.stack)
-            self.stack.append((module, name))
+            before = {
+                id(t.grad_fn)
+                for t in tree_leaves(args)
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None
+            }
+            self.stack.append((module, name, before))
 
     def _post(self, module: nn.Module, args: Any, out: Any) -> None:
         self._settle()
         if not self.stack or self.stack[-1][0] is not module:
             return
-        _, name = self.stack.pop()
+        _, name, before = self.stack.pop()
         if self.forward_done or is_recomputing():
             return
         for t in tree_leaves(out):
             node = t.grad_fn if isinstance(t, torch.Tensor) else None
-            if node is not None and _NODE_KEY not in node.metadata:
+            if node is None or id(node) in before:
+                continue  # an identity's output: the node is its input's maker's
+            if _NODE_KEY not in node.metadata:
                 node.metadata[_NODE_KEY] = name  # the innermost call's output: first to end
                 node.register_prehook(functools.partial(self._entered, name))
 
