@@ -132,6 +132,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="timed rounds of the frontier (5)")
     p.add_argument("--budget", default=None, help="suggest's budget, e.g. 6GiB (default: auto)")
     p.add_argument("--compile-models", default=None, help="models for the inductor section")
+    p.add_argument("--compile-levels", default="0,1,2,3,4,5", help="levels to compile")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--compile-rtol", type=float, default=1e-5)
     p.add_argument("--out", default=None, help="folder for results.json and table.md")
@@ -151,6 +152,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.reps = args.reps or (2 if args.tiny else 5)
     default_compiled = ["resnet18"] if args.tiny else ["vit_small_patch16_224", "resnet50"]
     args.compile_models = _split(args.compile_models) or default_compiled
+    args.compile_levels = [int(v) for v in _split(args.compile_levels)]
     if args.out is None:
         args.out = (
             tempfile.mkdtemp(prefix="gpu_check_")
@@ -501,7 +503,8 @@ def train_step(
             out = model(x)
         F.cross_entropy(out.float(), y).backward()
     got = {"<output>": out.detach().float().clone()}
-    for n, p in model.named_parameters():
+    plain = getattr(model, "_orig_mod", model)  # a compiled module's parameters, by their names
+    for n, p in plain.named_parameters():
         if p.grad is not None:
             got[n] = p.grad.detach().float().clone()
     return got
@@ -776,7 +779,7 @@ def check_inductor(args: argparse.Namespace, models: dict[str, dict[str, Any]]) 
     for name in args.compile_models:
         options = {**FULL_MODELS, **TINY_MODELS}.get(name, {})
         base = build(name, options).to(args.device)
-        for level in LEVELS:
+        for level in args.compile_levels:
             row: dict[str, Any] = {"model": name, "level": level}
             row["backend"] = args.compile_backend
             try:

@@ -168,3 +168,13 @@ def test_the_exact_section_runs_on_cpu(gpu_check, tmp_path) -> None:
     assert [r["level"] for r in rows] == [0, 1, 2, 3, 4, 5]
     assert all(r["exact"] and r["plain_reproducible"] for r in rows), rows
     assert results["meta"]["device"].startswith("cpu")
+
+
+def test_a_compiled_step_is_compared_parameter_by_parameter(gpu_check) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10))
+    x, y = torch.randn(2, 4), torch.tensor([1, 7])
+    eager = gpu_check.train_step(model, x, y)
+    compiled = gpu_check.train_step(torch.compile(model, backend="aot_eager"), x, y)
+    assert compiled.keys() == eager.keys() and len(eager) == 5
+    assert gpu_check.compare(compiled, eager)[1] <= 1e-6
