@@ -8,6 +8,7 @@ whether to run the module's own forward through the checkpoint core.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 import weakref
@@ -73,6 +74,9 @@ class _ModuleForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
 
+_installs = itertools.count()  # numbers the installed objects whose warnings are once each
+
+
 class _LeanForward:
     """A timm ``Mlp``'s forward with the lean backward (NOTE [ Lean MLP ] in ``_lean``), or,
     for a call it cannot take, the module's own forward with a warning (once per reason)."""
@@ -80,6 +84,7 @@ class _LeanForward:
     def __init__(self, run: _ModuleForward) -> None:
         self.run = run
         self.warned: set[str] = set()
+        self.key = f"{run.name}#{next(_installs)}"  # its warnings under torch.compile
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         run = self.run
@@ -94,7 +99,7 @@ class _LeanForward:
             f"{why}. Its gradients are exact; it holds one hidden-size tensor more."
         )
         if torch.compiler.is_compiling():  # NOTE [ Warnings under torch.compile ] in wrapper
-            compile_note(f"{run.name}: {why}", message)
+            compile_note(f"{self.key}: {why}", message)
         elif why not in self.warned:
             self.warned.add(why)
             warnings.warn(message, UserWarning, stacklevel=4)
@@ -223,6 +228,7 @@ class Chain:
     def __init__(self, label: str, nested: bool = False) -> None:
         self.label = label
         self.nested = nested  # members keep their own policies inside the run
+        self.key = f"{label}#{next(_installs)}"  # this run's warnings, apart from other models'
         self.members: list[_ModuleForward] = []
 
     def modules(self) -> list[nn.Module]:
@@ -313,7 +319,7 @@ class ChainedForward(CheckpointedForward):
             module = self.run.module
             if not self.policy.rungs or not module.training or not torch.is_grad_enabled():
                 return self.run(*args, **kwargs)
-            call = ChainCall.open(self.policy, chain.modules(), chain.label, one)
+            call = ChainCall.open(self.policy, chain.modules(), chain.label, one, chain.key)
             if call is None:
                 return run_policy(
                     self.policy, self.run, args, kwargs, module=module, label=self.run.name

@@ -500,14 +500,17 @@ class ChainCall:
         self.group = group
 
     @classmethod
-    def open(cls, policy: Policy, modules: list[nn.Module], label: str, x: Any) -> ChainCall | None:
+    def open(
+        cls, policy: Policy, modules: list[nn.Module], label: str, x: Any, key: str | None = None
+    ) -> ChainCall | None:
         """The run starting at input ``x``, or ``None`` when the policy's rung now is not a
-        run (the first module is then called as :func:`run_policy` decides)."""
+        run (the first module is then called as :func:`run_policy` decides). ``key``: what
+        tells this run apart from others of the same label, for its warning under compile."""
         rung = choose_rung(policy)
         if rung is None or rung.through is None or not isinstance(x, torch.Tensor):
             return None
         if torch.compiler.is_compiling():
-            note_run_not_compiled(label)
+            note_run_not_compiled(label, key or label)
             return None
         region = _core.ChainRegion(
             x, modules=modules, label=label, preserve_rng_state=policy.preserve_rng_state
@@ -556,11 +559,11 @@ def compile_note(key: str, message: str) -> bool:
     return True
 
 
-def note_run_not_compiled(label: str) -> None:
-    """Warn once that the run ``label`` (``'blocks.0.norm1..drop_path1'``) is not applied under
-    torch.compile, and what runs instead."""
+def note_run_not_compiled(label: str, key: str) -> None:
+    """Warn once per ``key`` that the run ``label`` (``'blocks.0.norm1..drop_path1'``) is not
+    applied under torch.compile, and what runs instead."""
     compile_note(
-        label,
+        key,
         f"the checkpointed run {label!r} is not applied under torch.compile: its first module "
         "is checkpointed alone with the run's rung and the others as their own rules say "
         "(torch's checkpoint needs a region as one function, and a run is made of calls from "
