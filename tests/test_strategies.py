@@ -337,3 +337,24 @@ def test_a_seeded_operator_named_in_save_ops_is_recomputed(assert_exact) -> None
     fused = SaveOps(["aten._scaled_dot_product_efficient_attention"])
     assert not fused.keeps(sdpa, (x, x, x, None, True, 0.1))  # dropout_p > 0: it draws
     assert fused.keeps(sdpa, (x, x, x, None, True, 0.0))  # no dropout: kept as before
+
+
+def test_a_kept_output_written_in_place_under_fake_tensors() -> None:
+    """The write guard tells storages apart by identity, not data pointer: under FakeTensorMode
+    (how CUDA dispatch is checked without a GPU) there is no data to point at."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4)).train()
+        vision_ckpt.apply(
+            model,
+            {
+                "training_checkpoint_level": 1,
+                "rules": [{"match_type": "Sequential", "level": 1, "strategy": "selective"}],
+            },
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(torch.randn(3, 8)).square().sum().backward()
+        assert model[0].weight.grad.shape == (16, 8)

@@ -861,16 +861,14 @@ class _KeepBeforeWrite(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _copy_kept(self, target: torch.Tensor) -> None:
-        ptr = target.untyped_storage().data_ptr()
+        # The storage object's identity, not its data pointer: FakeTensors (a meta-device
+        # forward, FakeTensorMode) have no data, and empty storages share pointer 0.
+        storage = target.untyped_storage()._cdata
         for entries in list(self.caching_mode.storage.values()):
             kept = list(entries.values()) if isinstance(entries, dict) else list(entries)
             for wrapper in tree_leaves(kept):
                 value = getattr(wrapper, "val", None)
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.device.type != "meta"
-                    and value.untyped_storage().data_ptr() == ptr
-                ):
+                if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata == storage:
                     wrapper.val = value.clone()
                     wrapper.version = wrapper.val._version
 
