@@ -88,6 +88,48 @@ def test_hand_built_model_gives_exactly_its_spans() -> None:
     assert [s.order for s in spans] == sorted(s.order for s in spans)
 
 
+class _Unit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+        self.norm = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x))
+
+
+class _Bottleneck(nn.Module):
+    """Three units of one class side by side, and an activation: layers, not a sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.u1, self.u2, self.u3 = _Unit(), _Unit(), _Unit()
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x + self.u3(self.u2(self.u1(x))))
+
+
+class _Stage(nn.Module):
+    """A stage class (no Sequential) holding only its blocks, calling them in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b1, self.b2 = _Bottleneck(), _Bottleneck()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b2(self.b1(x))
+
+
+def test_a_stage_class_holds_blocks_and_a_bottleneck_holds_layers() -> None:
+    net = nn.Sequential(nn.Conv2d(3, 4, 1), _Stage())
+    spans = trace_spans(net, torch.randn(2, 3, 4, 4))
+    assert _by_kind(spans, "block") == {"1.b1", "1.b2"}
+    assert _by_kind(spans, "stage") == {"1"}
+    assert _by_kind(spans, "groups") == set()  # segments split only a Sequential or ModuleList
+    assert {"1.b1.u1..u2", "1.b1.u1..u3", "1.b1.u2..u3"} <= _by_kind(spans, "run")
+
+
 def _step(model: nn.Module, x: torch.Tensor, counter: Any = None) -> dict[str, Any]:
     torch.manual_seed(7)  # dropout and drop-path draw the same masks in every run
     with counter if counter is not None else contextlib.nullcontext():

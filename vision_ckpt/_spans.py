@@ -12,11 +12,12 @@ a rule of the config vocabulary (:meth:`Span.rule`):
   argument, registered in the parent in the order they are called (a stem conv-norm-act-pool,
   a transformer layer's attention half): ``match: <first>``, ``through: <last>``;
 - ``block``: a member of a repeated sequence, consecutive children of an ``nn.Sequential`` or
-  ``nn.ModuleList`` of one structure, called one after another;
+  ``nn.ModuleList`` (or all the children of another module, a stage class) of one structure,
+  each with children of its own, called one after another;
 - ``groups``: a container all of whose children form such a sequence, as groups of about
   sqrt(n) of them: ``segments: auto``;
-- ``stage``: what holds a repeated sequence: the ``nn.Sequential`` itself, or the module
-  holding an ``nn.ModuleList`` (which has no forward);
+- ``stage``: what holds a repeated sequence: the module itself, or for an ``nn.ModuleList``
+  (which has no forward) the module holding it; never the model itself;
 - ``lean``: a module that can run with the lean MLP backward (``_lean.lean_mlp_problem``).
 
 # NOTE [ Runs found by tracing ]
@@ -176,35 +177,31 @@ def _returns_input(call: _Call) -> bool:
     return call.output is not None and call.output == call.first
 
 
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 def _signature(module: nn.Module) -> tuple[Any, ...]:
     """What two members of a repeated sequence share: their class, and for a generic container
-    (``Sequential``, ``ModuleList``) the classes of its children as well."""
-    if isinstance(module, (nn.Sequential, nn.ModuleList)):
+    (``Sequential``, ``ModuleList``, ``ModuleDict``) the classes of its children as well."""
+    if isinstance(module, _CONTAINERS):
         return (type(module), tuple(_signature(c) for c in module.children()))
     return (type(module),)
 
 
-def _children_called(model: nn.Module, calls: list[_Call]) -> dict[str, list[_Call]]:
-    """For every module name, the calls of its registered children, in call order."""
-    out: dict[str, list[_Call]] = {}
-    for call in calls:
-        if call.name:
-            parent = call.name.rpartition(".")[0]
-            out.setdefault(parent, []).append(call)
-    return out
-
-
 def _repeated(model: nn.Module, calls: list[_Call]) -> Iterator[tuple[str, list[str]]]:
     """(container, members) for each repeated sequence: two or more consecutive children of
-    an ``nn.Sequential``/``nn.ModuleList`` with one signature, each called once, in order."""
+    one module with one signature, each with children of its own (a block, not a layer: two
+    identities side by side are no sequence), each called once, in order. Outside an
+    ``nn.Sequential``/``nn.ModuleList`` the sequence must be all the module's children (a stage
+    class holding only its blocks), not a bottleneck's three conv-norm-act units beside its
+    other layers."""
     called: dict[str, list[int]] = {}
     for call in calls:
         called.setdefault(call.name, []).append(call.index)
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
-            continue
         prefix = f"{name}." if name else ""
         children = [(prefix + k, c) for k, c in module._modules.items() if c is not None]
+        stackable = isinstance(module, (nn.Sequential, nn.ModuleList))
         start = 0
         while start < len(children):
             end = start + 1
@@ -215,6 +212,8 @@ def _repeated(model: nn.Module, calls: list[_Call]) -> Iterator[tuple[str, list[
             order = [called.get(n, []) for n in members]
             if (
                 len(members) >= 2
+                and (stackable or len(members) == len(children))
+                and next(children[start][1].children(), None) is not None
                 and all(len(o) == 1 for o in order)
                 and all(a[0] < b[0] for a, b in zip(order, order[1:], strict=False))
             ):
@@ -222,10 +221,8 @@ def _repeated(model: nn.Module, calls: list[_Call]) -> Iterator[tuple[str, list[
             start = end
 
 
-def _runs(
-    model: nn.Module, calls: list[_Call], excluded: set[str]
-) -> Iterator[tuple[list[_Call], int]]:
-    """Every run of NOTE [ Runs found by tracing ], with the index of its parent's call."""
+def _runs(calls: list[_Call], excluded: set[str]) -> Iterator[list[_Call]]:
+    """Every run of NOTE [ Runs found by tracing ]."""
     by_parent: dict[int, list[_Call]] = {}
     for call in calls:
         if call.parent is not None:
@@ -267,24 +264,26 @@ def _runs(
                         and run[-1].output == parent.output
                     )
                     if not whole:
-                        yield run, parent_index
+                        yield run
 
 
 def trace_spans(model: nn.Module, example_input: Any) -> list[Span]:
     """The candidate regions of ``model``, found by running one forward on ``example_input``
-    (under ``torch.no_grad``, in the model's current mode, with its buffers put back after).
+    (in training mode under ``torch.no_grad``; weights, buffers and mode are put back after).
 
     Args:
         model: any ``nn.Module``; nothing about its library or classes is assumed.
-        example_input: its input, a tensor or a tuple of positional arguments; keep it small
-            (every module's output of the forward is held until the trace ends).
+        example_input: its input, a tensor or a tuple of positional arguments, valid in
+            training mode (BatchNorm needs two values per channel); keep it small: every
+            module's output is held until the trace ends.
 
     Returns:
         The spans of the module docstring, sorted by the first call each covers; a module
         that is also a block, a stage or a lean MLP appears once per kind.
 
+    >>> block = lambda: nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
     >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
-    ...                     nn.Sequential(*[nn.Conv2d(8, 8, 3, padding=1) for _ in range(4)]))
+    ...                     nn.Sequential(*[block() for _ in range(4)]))
     >>> spans = trace_spans(net, torch.randn(1, 3, 16, 16))
     >>> [s.label for s in spans if s.kind == "run"]
     ['0..1', '0..2', '1..2']
@@ -300,22 +299,16 @@ def trace_spans(model: nn.Module, example_input: Any) -> list[Span]:
     for container, members in _repeated(model, calls):
         excluded.update(members)
         module = model.get_submodule(container)
-        order = first_call[members[0]]
         for m in members:
             spans.append(Span("block", m, (m,), first_call[m]))
-        whole = len(members) == len(module._modules)
-        if isinstance(module, nn.Sequential) and container in first_call:
-            excluded.add(container)
-            spans.append(Span("stage", container, tuple(members), first_call[container]))
-            if whole and len(members) >= 3:
-                spans.append(Span("groups", container, tuple(members), order))
-        elif isinstance(module, nn.ModuleList):
-            if whole and len(members) >= 3:
-                spans.append(Span("groups", container, tuple(members), order))
-            holder = container.rpartition(".")[0]
-            if holder and holder in first_call:
-                excluded.add(holder)
-                spans.append(Span("stage", holder, tuple(members), first_call[holder]))
+        stackable = isinstance(module, (nn.Sequential, nn.ModuleList))  # what segments split
+        if stackable and len(members) == len(module._modules) and len(members) >= 3:
+            spans.append(Span("groups", container, tuple(members), first_call[members[0]]))
+        # the stage: the container, or for a list nobody calls, the module holding it
+        holder = container if container in first_call else container.rpartition(".")[0]
+        if holder and holder in first_call:
+            excluded.add(holder)
+            spans.append(Span("stage", holder, tuple(members), first_call[holder]))
     seen: set[tuple[str, str]] = set()
     for call in calls:
         if _returns_input(call):
@@ -325,7 +318,7 @@ def trace_spans(model: nn.Module, example_input: Any) -> list[Span]:
             spans.append(Span("module", call.name, (call.name,), call.index))
             if lean_mlp_problem(call.module) is None:
                 spans.append(Span("lean", call.name, (call.name,), call.index))
-    for run, _ in _runs(model, calls, excluded):
+    for run in _runs(calls, excluded):
         names = tuple(c.name for c in run)
         if ("run", names[0] + ".." + names[-1]) in seen:
             continue
