@@ -124,6 +124,9 @@ def test_floor_of_the_mlp_is_relu_backward_working_set() -> None:
     assert floor.floor_bytes == 3 * N + down_grads
     assert floor.max_working_set_bytes == 3 * N
     assert floor.param_grad_bytes == down_grads + H * 16 * 4 + H * 4
+    report = where_peak(net, torch.randn(B, 16), floor=True)
+    assert report.floor == floor
+    assert f"floor {report.floor.floor_bytes / 2**20:.2f} MiB" in str(report)
     # no region plan goes below it: the whole MLP as one region, or each layer
     for rules in ([{"match_type": "Sequential", "level": 1}], [{"match": "*", "level": 1}]):
         cfg = {"training_checkpoint_level": 1, "rules": rules}
