@@ -28,7 +28,7 @@ from vision_ckpt._measure import (
     meter_for,
     model_restored,
 )
-from vision_ckpt.profile import profile, suggest_level
+from vision_ckpt.profile import plan_for_budget, profile, suggest_level
 
 MiB = 2**20
 GiB = 2**30
@@ -66,7 +66,8 @@ class FakeAllocator:
             raise torch.OutOfMemoryError("CUDA out of memory (fake)")
 
     def allocated(self, level: int, batch: int) -> int:
-        return self.base + self.per_row[level] * batch + self.spike.get((level, batch), 0)
+        per_row = self.per_row.get(level, self.per_row.get(-1, 0))  # -1: any other level
+        return self.base + per_row * batch + self.spike.get((level, batch), 0)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(_measure, "_uses_allocator", lambda device: True)
@@ -223,6 +224,18 @@ def test_profile_on_cuda_reports_the_allocator_and_decides_memory_limit_on_it(
     assert l5.cuda_peak_bytes == fake.allocated(5, 8)
     assert l5.cuda_reserved_bytes == 2 * GiB + 224 * MiB
     assert l5.peak_bytes is not None and l5.peak_bytes < 100 * MiB  # the tracker, beside it
+
+
+def test_plan_for_budget_on_cuda_decides_on_the_allocator(monkeypatch) -> None:
+    model, example = _model(), _x(2)
+    on_cpu = plan_for_budget(model, example, "1GiB", batch_size=16, max_rounds=1)
+    assert on_cpu.config is not None and on_cpu.predicted_peak < 100 * MiB
+    fake = FakeAllocator(model, {-1: 10 * MiB})
+    fake.install(monkeypatch)
+    on_cuda = plan_for_budget(model, example, "1GiB", batch_size=16, max_rounds=1)
+    # the tracker's few MB plus the allocator's 2 GiB: nothing fits 1 GiB
+    assert on_cuda.config is None
+    assert on_cuda.predicted_peak == pytest.approx(2 * GiB + 160 * MiB, abs=4 * MiB)
 
 
 def _optimizer_with_state(model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -146,7 +146,9 @@ class FitCheck:
     """A real training step at the target batch, run to confirm a plan predicted to fit."""
 
     batch_size: int
+    """The batch the step ran (the target batch of the plan)."""
     budget_bytes: int
+    """The budget it is checked against."""
     allocated_bytes: int | None
     """``torch.cuda.max_memory_allocated`` of the step; ``None`` when it ran out of memory."""
     reserved_bytes: int | None
