@@ -1104,7 +1104,11 @@ def _proxy_tracing() -> bool:
 def compiling() -> bool:
     """True while torch.compile or export traces the running code: dynamo, or AOTAutograd
     running a region's higher-order op on functional or proxy tensors (where a region's
-    ``context_fn`` is called). Code that must hand torch something it can trace checks this."""
+    ``context_fn`` is called). Code that must hand torch something it can trace checks this.
+
+    >>> compiling()
+    False
+    """
     if torch.compiler.is_compiling() or _proxy_tracing():
         return True
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None
