@@ -58,6 +58,10 @@ VARIANT_ORDER = ("L0", "L1", "L2", "L3", "L4", "L5", "timm")
 # What a results file does not say about itself. Everything else (command, threads, clock,
 # allocator) is read from the file.
 NOTES: dict[str, str] = {
+    "compile_matrix": "Written by `python benchmarks/compile_matrix.py` (the file does not "
+    "record its command): one tiny timm model per preset family at levels 0-5, a case ok when "
+    "the compiled step runs and every gradient is within `rtol` of eager's; see "
+    "[compile.md](compile.md).",
     "frontier_b32": "An earlier run: 2 threads and wall time, before the stems became regions "
     "and before later preset changes; its levels' plans are not today's.",
     "frontier_compile_b32": "`torch.compile` with `activation_memory_budget` 1.0 / 0.5 / 0.2 "
@@ -66,6 +70,10 @@ NOTES: dict[str, str] = {
     "frontier_b32_cpu_cached": "A first `--allocator cached` run: blocks over 32 MB were still "
     "mapped and zeroed afresh (the option now also sets `MALLOC_MMAP_MAX_=0`), and the presets "
     "of that time: levels 4-5 of Swin, ConvNeXt and ViT had no lean MLPs yet.",
+    "fit": "Written by `python benchmarks/bench_fit.py` (one file per model; the files do not "
+    "record the command): the largest batch whose step peak fits each budget, per level and "
+    "for the library's own switch, from a few small CPU batches counted by the storage "
+    "tracker; see [cli.md](cli.md).",
     "planner_b32": "The results file does not record its command; it is the earlier run of "
     "`bench_planner.py` with its default wall clock.",
     "planner_b32_cpu": "The results file does not record its command; its table was made by "
@@ -251,10 +259,49 @@ def _scalar(v: Any) -> bool:
     return isinstance(v, (int, float, str, bool, type(None)))
 
 
+def _is_record(x: Any) -> bool:
+    """A dict of plain fields (lists of plain values allowed), nothing nested to walk into."""
+    return (
+        isinstance(x, dict)
+        and any(_scalar(v) for v in x.values())
+        and not any(
+            isinstance(v, dict) or (isinstance(v, list) and any(isinstance(e, dict) for e in v))
+            for v in x.values()
+        )
+    )
+
+
+def _keyed_rows(data: Any, depth: int = 1) -> list[dict] | None:
+    """``{key: record}`` or ``{key: {key2: record}}`` as rows with the keys as columns (a
+    matrix such as model x level), or ``None`` if ``data`` is not of that shape."""
+    if (
+        not isinstance(data, dict)
+        or not data
+        or not all(isinstance(v, dict) for v in data.values())
+    ):
+        return None
+    name = "key" if depth == 1 else f"key{depth}"
+    rows: list[dict] = []
+    for k, v in data.items():
+        if _is_record(v):
+            rows.append({name: k, **v})
+            continue
+        sub = _keyed_rows(v, depth + 1)
+        if sub is None:
+            return None
+        rows += [{name: k, **r} for r in sub]
+    return rows
+
+
 def _tables(data: Any, where: str = "") -> Iterable[tuple[str, list[dict]]]:
-    """Every list of records in ``data``, with the path of keys that leads to it."""
+    """Every table of records in ``data`` (a list of records, or records keyed by name), with
+    the path of keys that leads to it."""
     if isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
         yield where, data
+        return
+    keyed = _keyed_rows(data) if where else None
+    if keyed:
+        yield where, keyed
     elif isinstance(data, dict):
         for k, v in data.items():
             yield from _tables(v, f"{where}.{k}" if where else str(k))
@@ -293,7 +340,8 @@ def _section(key: str, data: Any) -> list[str]:
         body = _planner_section(key, data)
     else:
         body = _generic_section(key, data)
-    note = [f"- {NOTES[key]}"] if key in NOTES else []
+    noted = key if key in NOTES else key.split("/", 1)[0]  # fit/vit_s: the note of fit
+    note = [f"- {NOTES[noted]}"] if noted in NOTES else []
     path = f"benchmarks/results/{key}/results.json"
     if not (ROOT / path).exists():
         path = f"benchmarks/results/{key}.json"

@@ -97,11 +97,15 @@ def test_a_results_file_of_unknown_shape_still_gets_a_section(
     (run / "results.json").write_text(
         json.dumps({"command": "python benchmarks/x.py --device cuda", "rows": rows})
     )
+    matrix = {"results": {"resnet18": {"0": {"ok": True, "seconds": 7.5}}}}
+    (tmp_path / "matrix.json").write_text(json.dumps({"backend": "aot_eager", **matrix}))
     monkeypatch.setattr(render_docs, "RESULTS", tmp_path)
     text = render_docs.render_benchmarks()
     assert "## `gpu_run`" in text
     assert "`python benchmarks/x.py --device cuda`" in text
     assert "| resnet50 | 3 | 812.5 |" in text
+    assert "## `matrix`" in text and "- backend: `aot_eager`" in text
+    assert "| key | key2 | ok | seconds |" in text and "| resnet18 | 0 | True | 7.5 |" in text
 
 
 def test_readme_is_a_manual() -> None:
