@@ -18,7 +18,9 @@ parameters and the input, deterministic, the bytes of ``bench_frontier.py``'s ``
 where it came, and the step's FLOPs (forward + backward, recomputation included) relative to
 level 0's, a deterministic stand-in for time. The model's physical floor at the batch is
 measured once (NOTE [ The physical floor ] in ``vision_ckpt/peak.py``). Writes
-``results.json`` to ``--out``.
+``results.json`` to ``--out``: ``models`` (span counts and the floor per model), ``rows`` (one
+per plan), ``plans`` (each plan's rules) and ``top_groups`` (the largest live groups at each
+peak).
 
 Usage::
 
@@ -45,11 +47,13 @@ import vision_ckpt
 from vision_ckpt._measure import applied
 from vision_ckpt._spans import Span, trace_spans
 from vision_ckpt.apply import as_config
+from vision_ckpt.config import LevelRule
 from vision_ckpt.errors import ConfigError
 from vision_ckpt.peak import physical_floor, where_peak
 
 MODELS = ("resnet50", "vit_small_patch16_224")
 MIB = 2**20
+SPAN_KINDS = ("module", "run", "block", "groups", "stage", "lean")
 
 
 def _non_overlapping(runs: list[Span], length: int | None) -> list[Span]:
@@ -133,7 +137,8 @@ def probe(name: str, batch: int, size: int) -> dict[str, Any]:
         for level in range(6)
     }
     configs.update(_plans(spans))
-    rows = []
+    rows: list[dict[str, Any]] = []
+    groups: dict[str, list[Any]] = {}
     base_flops = None
     for label, cfg in configs.items():
         began = time.process_time()
@@ -142,49 +147,47 @@ def probe(name: str, batch: int, size: int) -> dict[str, Any]:
             with applied(model, as_config(cfg)) as the_plan:
                 flops = _flops(model, x, y)
         except ConfigError as exc:
-            rows.append({"plan": label, "rejected": str(exc)})
+            rows.append({"model": name, "plan": label, "rejected": str(exc)})
             print(f"  {label}: rejected: {str(exc)[:120]}", file=sys.stderr)
             continue
         base_flops = base_flops or flops
         row = {
+            "model": name,
             "plan": label,
-            "rules": len(cfg.get("rules", ())),
             "regions": len(the_plan.checkpointed),
-            "peak_bytes": report.peak_bytes,
             "peak_mib": round(report.peak_bytes / MIB, 1),
             "above_floor": round(report.peak_bytes / floor.floor_bytes, 3),
             "flops_ratio": round(flops / base_flops, 3),
             "phase": report.phase,
             "operator": report.operator,
             "module": report.module,
-            "top_groups": [[g.owner, g.kind, round(g.nbytes / MIB, 1)] for g in report.groups[:4]],
+            "peak_bytes": report.peak_bytes,
             "cpu_s": round(time.process_time() - began, 1),
         }
         rows.append(row)
+        groups[label] = [[g.owner, g.kind, round(g.nbytes / MIB, 1)] for g in report.groups[:6]]
         print(
             f"  {label:18s} peak {row['peak_mib']:8.1f} MiB ({row['above_floor']:.2f}x floor) "
             f"flops {row['flops_ratio']:.3f} at {report.operator} in {report.module}",
             file=sys.stderr,
         )
-    return {
+    summary = {
         "model": name,
-        "batch": batch,
-        "img_size": size,
         "trace_cpu_s": round(trace_s, 2),
-        "spans": counts,
-        "floor": {
-            "floor_mib": round(floor.floor_bytes / MIB, 1),
-            "operator": floor.operator,
-            "module": floor.module,
-            "phase": floor.phase,
-            "working_set_mib": round(floor.working_set_bytes / MIB, 1),
-            "param_grads_then_mib": round(floor.param_grad_bytes_then / MIB, 1),
-            "max_working_set_mib": round(floor.max_working_set_bytes / MIB, 1),
-            "param_grads_mib": round(floor.param_grad_bytes / MIB, 1),
-        },
-        "plans": _plans(spans),
-        "rows": rows,
+        **{f"{kind}_spans": counts.get(kind, 0) for kind in SPAN_KINDS},
+        "floor_mib": round(floor.floor_bytes / MIB, 1),
+        "floor_operator": floor.operator,
+        "floor_module": floor.module,
+        "floor_working_set_mib": round(floor.working_set_bytes / MIB, 1),
+        "floor_param_grads_then_mib": round(floor.param_grad_bytes_then / MIB, 1),
+        "max_working_set_mib": round(floor.max_working_set_bytes / MIB, 1),
+        "param_grads_mib": round(floor.param_grad_bytes / MIB, 1),
     }
+    plans = {  # rules as their one-line text: the configs, not a table for the docs
+        label: {"nesting": cfg["nesting"], "rules": [str(LevelRule(**r)) for r in cfg["rules"]]}
+        for label, cfg in _plans(spans).items()
+    }
+    return {"summary": summary, "rows": rows, "plans": plans, "top_groups": groups}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,19 +199,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/derive_probe"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    results = []
+    found = []
     for name in args.models:
         print(f"{name} batch {args.batch_size} at {args.img_size} px", file=sys.stderr)
-        results.append(probe(name, args.batch_size, args.img_size))
+        found.append(probe(name, args.batch_size, args.img_size))
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
         "command": " ".join(["python", *sys.argv]),
+        "meter": "storage: where_peak's peak, live tensor storage above parameters and input",
+        "clock": "none: flops_ratio is the step's matmul and convolution FLOPs over level 0's",
+        "batch": args.batch_size,
+        "img_size": args.img_size,
         "torch": torch.__version__,
         "timm": timm.__version__,
         "vision_ckpt": vision_ckpt.__version__,
         "machine": platform.machine(),
         "threads": args.threads,
-        "results": results,
+        "models": [f["summary"] for f in found],
+        "rows": [row for f in found for row in f["rows"]],
+        "plans": {f["summary"]["model"]: f["plans"] for f in found},
+        "top_groups": {f["summary"]["model"]: f["top_groups"] for f in found},
     }
     (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
     return 0
