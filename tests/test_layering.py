@@ -24,17 +24,19 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vision_ckpt"
 # package's face and may import anything; it is not in the table.)
 LAYERS: list[set[str]] = [
     {"errors", "_version", "_torch_floor"},
-    {"levels", "matching", "_memory", "_optimise"},  # levels, matching -> errors; _optimise: none
+    {"levels", "matching", "_memory", "_optimise", "models"},  # levels, matching, models ->
+    # errors; _optimise: none
     {"_core", "_lean", "config"},  # _core -> errors; _lean: torch only; config -> errors, levels,
     # matching (no torch)
     {"wrapper", "presets"},  # wrapper -> _core, levels; presets -> config, matching
     {"_install"},  # the install layer of issue 9: what apply puts on a model and takes off
     {"apply"},  # -> wrapper, presets, config, matching
     {"_measure"},  # one training step -> apply, _memory
-    {"_extrapolate"},  # a larger batch's peak -> _measure
+    {"_extrapolate", "_spans"},  # a larger batch's peak; a model's candidate spans -> _measure
     {"_search"},  # uniform levels -> _extrapolate, _measure, wrapper
     {"_planner"},  # per-block plans -> _search, _extrapolate, _measure, apply, _memory
-    {"profile"},  # the public face of the four above
+    {"profile", "fit", "peak"},  # the public faces of the four above; fit -> models, _planner;
+    # peak -> apply, _measure
     {"integrations", "integrations.lightning", "integrations.hf"},  # trainers, model libraries
     {"cli"},  # the only code that prints or exits
     {"__main__"},
