@@ -258,3 +258,30 @@ def test_strategies_under_compile_match_eager(level: int) -> None:
     expected = {n: p.grad for n, p in eager.named_parameters()}
     got = {n: p.grad for n, p in compiled.named_parameters()}
     assert_close({"grads": got, "buffers": {}}, {"grads": expected, "buffers": {}})
+
+
+def test_offload_under_compile_is_a_full_region_and_warns() -> None:
+    torch.manual_seed(0)
+    eager = _Stacks().train()
+    compiled = copy.deepcopy(eager)
+    config = {
+        "training_checkpoint_level": 3,
+        "rules": [{"match": "seq.1", "level": 3, "strategy": "offload"}],
+    }
+    plan = vision_ckpt.apply(eager, config)
+    vision_ckpt.apply(compiled, config)
+    assert plan.not_compiled == ("seq.1 (offload)",)
+    x = torch.randn(4, 5, 8)
+    eager(x).square().sum().backward()
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(compiled, backend="aot_eager")(x).square().sum().backward()
+    assert [str(w.message) for w in caught if "'offload'" in str(w.message)] == [
+        "'seq.1' has strategy 'offload', which torch.compile does not apply: under compile the "
+        "region is a full one whose inputs stay on the device (gradients are exact). "
+        "CheckpointPlan.not_compiled lists such modules. (Shown once.)"
+    ]
+    expected = {n: p.grad for n, p in eager.named_parameters()}
+    got = {n: p.grad for n, p in compiled.named_parameters()}
+    assert_close({"grads": got, "buffers": {}}, {"grads": expected, "buffers": {}})

@@ -1342,3 +1342,19 @@ def test_recomputation_runs_under_the_forwards_kernel_settings(name: str, assert
     assert seen == [inside, inside]  # the forward, then the recomputation
     assert read() == outside  # and the recomputation put the backward's setting back
     assert_exact(results[1], results[0])
+
+
+def test_an_offloaded_input_comes_back_as_it_was() -> None:
+    """NOTE [ Offloaded inputs ]: the host copy keeps shape, strides (channels-last here),
+    dtype and requires_grad, and the values bit for bit. (On CPU the copy is not pinned: the
+    device path, pinned and non-blocking, needs a GPU.)"""
+    from vision_ckpt._core import _HostCopy, _offload_inputs, _offloadable
+
+    x = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last).requires_grad_()
+    copy = _HostCopy(x, pin=False)
+    back = copy.unpack()
+    assert back.stride() == x.stride() and back.dtype == x.dtype and back.requires_grad
+    assert torch.equal(back, x) and back.data_ptr() != x.data_ptr()
+    # on CPU nothing is offloaded: the inputs stay SavedVariables
+    assert not _offloadable(x)
+    assert not any(isinstance(s, _HostCopy) for s in _offload_inputs([x, x.detach()]))

@@ -358,3 +358,44 @@ def test_a_kept_output_written_in_place_under_fake_tensors() -> None:
             warnings.simplefilter("error")
             model(torch.randn(3, 8)).square().sum().backward()
         assert model[0].weight.grad.shape == (16, 8)
+
+
+def test_offload_is_a_full_region_that_does_nothing_on_cpu_and_says_so(assert_exact) -> None:
+    """strategy 'offload' (NOTE [ Offloaded inputs ]): on CPU the region keeps its inputs as a
+    full one does (the gradients are the plain model's), and the plan says that offload does
+    nothing here and is not applied under torch.compile."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.2), nn.Linear(16, 4)).train()
+    model = copy.deepcopy(plain)
+    plan = vision_ckpt.apply(
+        model,
+        {
+            "training_checkpoint_level": 2,
+            "rules": [{"match": "0", "level": 2, "strategy": "offload"}],
+        },
+    )
+    entry = plan["0"]
+    assert entry.checkpointed and entry.rungs[0].offload and entry.rungs[0].strategy == "full"
+    assert str(entry.rungs[0]) == "offload 2"
+    assert plan.offloaded == (entry,) and plan.not_compiled == ("0 (offload)",)
+    assert "on CUDA only: on cpu this does nothing" in str(plan)
+    assert plan.at_level(1).offloaded == ()
+    x = torch.randn(5, 8, requires_grad=True)
+    results = []
+    for net in (plain, model):
+        torch.manual_seed(3)
+        net(x).square().sum().backward()
+        results.append([p.grad.clone() for p in net.parameters()] + [x.grad.clone()])
+        x.grad = None
+    assert_exact(results[1], results[0])
+
+
+def test_offload_takes_no_segments_or_through() -> None:
+    with pytest.raises(ValueError, match="segments split a stack of layers"):
+        CheckpointConfig.model_validate(
+            {"rules": [{"match": "a", "level": 4, "strategy": "offload", "segments": 2}]}
+        )
+    with pytest.raises(ValueError, match="a run of sibling modules is checkpointed as one full"):
+        CheckpointConfig.model_validate(
+            {"rules": [{"match": "a", "level": 1, "strategy": "offload", "through": "b"}]}
+        )

@@ -889,12 +889,14 @@ def checkpoint_region(
     label: str,
     preserve_rng_state: bool = True,
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    offload: bool = False,
     **kwargs: Any,
 ) -> Any:
     """:func:`checkpoint` for vision_ckpt's own callers (the wrapper and installed forwards),
     which know what the region is. ``module``: the module whose BatchNorm statistics the
     recomputation must not update again (NOTE [ Stateful modules during recomputation ]);
-    ``label``: the name errors quote (``'blocks.3'``, ``'blocks[0:4]'``)."""
+    ``label``: the name errors quote (``'blocks.3'``, ``'blocks[0:4]'``); ``offload``: keep
+    the CUDA inputs in pinned host memory (NOTE [ Offloaded inputs ])."""
     return _run(
         function,
         args,
@@ -907,6 +909,7 @@ def checkpoint_region(
         "default",
         False,
         True,
+        offload,
     )
 
 
@@ -922,6 +925,7 @@ def _run(
     determinism_check: str,
     debug: bool,
     early_stop: bool,
+    offload: bool = False,
 ) -> Any:
     if torch.compiler.is_compiling() or _proxy_tracing():
         # Under torch.compile / export tracing, hand the region to torch's own non-reentrant
@@ -1030,7 +1034,7 @@ def _run(
         if len(unique) < len(tensors):
             frame.same_as = same_as
             tensors = unique
-    frame.saved = _save_inputs(tensors)
+    frame.saved = _offload_inputs(tensors) if offload else _save_inputs(tensors)
 
     state = _state
     state.region_depth += 1
@@ -1087,6 +1091,53 @@ def _blank_frame(function: Callable[..., Any], label: str | None, check: bool) -
     frame.device_ctx = _default_device() if torch._C._len_torch_function_stack() else None
     frame.settings = _capture_settings()  # beside the autocast state, which needs the device
     return frame
+
+
+# NOTE [ Offloaded inputs ]
+#
+# A region with ``offload=True`` keeps its CUDA tensor inputs in pinned host memory instead of
+# on the device (torch's CPU_OFFLOAD policies, Hugging Face's ``offload=True``): at the call each
+# one is copied into a pinned host tensor of the same shape, strides and dtype, without waiting
+# (non_blocking); the recomputation copies it back to its device, on the stream backward runs,
+# which orders the copies after the forward's. The values are the forward's, bit for bit, so
+# gradients stay exact. A CPU tensor (nothing to offload to), a tensor that is neither contiguous
+# nor channels-last, and a tensor subclass are kept as usual; so on CPU offload does nothing.
+# Unlike a SavedVariable, the host copy does not see in-place changes of the input after the
+# call: the recomputation uses the values the region was called with.
+
+
+class _HostCopy:
+    """A region input held in host memory until its recomputation (NOTE [ Offloaded inputs ])."""
+
+    __slots__ = ("host", "device", "requires_grad")
+
+    def __init__(self, tensor: torch.Tensor, pin: bool) -> None:
+        self.device = tensor.device
+        self.requires_grad = tensor.requires_grad
+        host = torch.empty_strided(
+            tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu", pin_memory=pin
+        )
+        host.copy_(tensor.detach(), non_blocking=pin)
+        self.host = host
+
+    def unpack(self) -> torch.Tensor:
+        back = self.host.to(self.device, non_blocking=True)
+        return back.requires_grad_(self.requires_grad) if self.requires_grad else back
+
+
+def _offloadable(t: torch.Tensor) -> bool:
+    return (
+        t.is_cuda
+        and type(t) in (torch.Tensor, torch.nn.Parameter)
+        and (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last))
+    )
+
+
+def _offload_inputs(tensors: list[torch.Tensor]) -> list[Any]:
+    """The region's inputs, those on CUDA as pinned host copies (NOTE [ Offloaded inputs ])."""
+    saved = _save_inputs([t for t in tensors if not _offloadable(t)])
+    kept = iter(saved)
+    return [_HostCopy(t, pin=True) if _offloadable(t) else next(kept) for t in tensors]
 
 
 def _save_inputs(tensors: list[torch.Tensor]) -> list[Any]:

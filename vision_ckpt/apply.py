@@ -19,7 +19,7 @@ import difflib
 import io
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,9 @@ class PlannedRung:
     a later member of a run, the run's level (NOTE [ Runs take over ])."""
     through: str | None = None
     """The last sibling of a run checkpointed with the module as one region (``through``)."""
+    offload: bool = False
+    """A full region whose inputs wait for backward in pinned host memory on CUDA (a rule's
+    strategy ``offload``); ``strategy`` is then ``full``."""
 
     @property
     def group(self) -> bool:
@@ -88,6 +91,8 @@ class PlannedRung:
 
     def __str__(self) -> str:
         text = "segments" if self.segments is not None else self.strategy
+        if self.offload:
+            text = "offload"
         if self.through is not None:
             text += f" through {self.through}"
         if self.segments not in (None, "auto"):
@@ -166,6 +171,10 @@ class CheckpointPlan:
     """As in the config."""
     save_ops: tuple[str, ...] | None
     """Selective checkpointing: the ops whose outputs are kept, or ``None``."""
+    device: str | None = field(default=None, compare=False)
+    """The device type of the model's first parameter when planned (``cuda``, ``cpu``), or
+    ``None``: where strategy ``offload`` does something (on CUDA) or nothing. Not compared:
+    a plan made on the meta device equals the one made after materialising."""
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -188,16 +197,34 @@ class CheckpointPlan:
 
     @property
     def not_compiled(self) -> tuple[str, ...]:
-        """The runs of sibling calls that apply at the plan's training level but not under
-        torch.compile: there the run's first module is checkpointed alone with the run's rung,
-        the others as their own rules say, and the first compiled call warns once per run.
-        Everything else applies under torch.compile as in eager (docs/compile.md)."""
+        """What applies at the plan's training level but not under torch.compile, where the
+        first compiled call warns once about each: the runs of sibling calls (their labels;
+        there the run's first module is checkpointed alone with the run's rung, the others as
+        their own rules say) and the modules of strategy ``offload`` (``'name (offload)'``;
+        plain full regions there). Everything else applies under compile as in eager
+        (docs/compile.md).
+
+        >>> CheckpointPlan("M", (), Level.NONE, None, "all", True, None).not_compiled
+        ()
+        """
         level = self.training_level
-        return tuple(
+        runs = [
             label
             for e, label in self.runs
             if any(r.through is not None and is_checkpointed(r.level, level) for r in e.rungs)
-        )
+        ]
+        offload = [f"{e.name} (offload)" for e in self.offloaded]
+        return tuple(runs + offload)
+
+    @property
+    def offloaded(self) -> tuple[PlanEntry, ...]:
+        """The entries whose region at the plan's training level has strategy ``offload``."""
+        out = []
+        for e in self.entries:
+            rung = e.rung_at(self.training_level) if e.checkpointed else None
+            if rung is not None and rung.offload:
+                out.append(e)
+        return tuple(out)
 
     @property
     def levels(self) -> dict[str, Level]:
@@ -267,13 +294,25 @@ class CheckpointPlan:
         buffer = io.StringIO()
         Console(file=buffer, width=140, color_system=None, force_terminal=False).print(table)
         text = "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
-        runs = self.not_compiled
+        runs = [n for n in self.not_compiled if not n.endswith(" (offload)")]
         if runs:
             shown = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more" if len(runs) > 4 else "")
             text += (
                 f"\nUnder torch.compile {len(runs)} run(s) of sibling calls are not applied "
                 f"({shown}): each run's first module is checkpointed alone, the others as "
                 "their own rules say; gradients stay exact, memory differs."
+            )
+        offloaded = [e.name for e in self.offloaded]
+        if offloaded:
+            where = (
+                "on CUDA"
+                if self.device == "cuda"
+                else f"on CUDA only: on {self.device or 'this device'} this does nothing"
+            )
+            text += (
+                f"\noffload: {len(offloaded)} region(s) ({', '.join(offloaded[:4])}"
+                f"{' ...' if len(offloaded) > 4 else ''}) keep their inputs in pinned host "
+                f"memory {where} (and under torch.compile they are plain full regions)."
             )
         return text + "\n"
 
@@ -462,6 +501,7 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
         nesting=cfg.nesting,
         preserve_rng_state=cfg.preserve_rng_state,
         save_ops=save_ops,
+        device=next((p.device.type for p in model.parameters()), None),
     )
 
 
@@ -533,7 +573,12 @@ def _entry(
     used = sorted(rules.values(), key=lambda r: int(r[0].level))
     rungs = tuple(
         PlannedRung(
-            rule.level, rule.strategy, rule.segments, rule.recompute_below, through=rule.through
+            rule.level,
+            "full" if rule.strategy == "offload" else rule.strategy,
+            rule.segments,
+            rule.recompute_below,
+            through=rule.through,
+            offload=rule.strategy == "offload",
         )
         for rule, _ in used
         if rule.level > 0 and rule.strategy != "lean"
@@ -963,7 +1008,7 @@ def _policy(
         else:
             context_fn = save_ops(keep, None, False) if keep is not None else None
         rungs.append(
-            Rung(r.level, r.strategy, r.segments, context_fn, r.until, r.through)  # type: ignore[arg-type]
+            Rung(r.level, r.strategy, r.segments, context_fn, r.until, r.through, r.offload)  # type: ignore[arg-type]
         )
     return Policy(
         tuple(rungs),

@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 Nesting = Literal["auto", "all", "outermost"]
-Strategy = Literal["full", "selective", "lean"]
+Strategy = Literal["full", "selective", "lean", "offload"]
 
 _MEMORY_UNITS = {
     "b": 1,
@@ -244,7 +244,12 @@ class LevelRule(_Schema):
     the highest of its levels within it decides. ``lean``, for a timm ``Mlp`` (fc1, GELU, fc2)
     only: not a region but an exact backward that keeps fc1's output and not GELU's, and holds
     two hidden-size tensors at once instead of three, for one GELU recomputed; it combines with
-    the module's full or selective levels (checkpointed and lean, from both levels on)."""
+    the module's full or selective levels (checkpointed and lean, from both levels on).
+    ``offload``: as ``full``, and the region's inputs (what a full region keeps) wait for
+    backward in pinned host memory instead of on the GPU, copied back when it is recomputed
+    (torch's ``CPU_OFFLOAD`` policies, Hugging Face's ``offload=True``): the inputs leave the
+    device for two copies per step. Exact; on CPU it does nothing (the plan says so), and
+    under torch.compile the region is a plain full one."""
 
     segments: Literal["auto"] | Annotated[int, Field(ge=1)] | None = None
     """For an ``nn.Sequential`` (a stack of layers) with strategy ``full``: checkpoint it as

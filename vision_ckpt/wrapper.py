@@ -347,6 +347,9 @@ class Rung:
     through: str | None = None
     """The last of a run of sibling modules checkpointed with this one as one region (see
     :class:`ChainCall`); ``None``: the module alone."""
+    offload: bool = False
+    """A full region whose CUDA inputs are kept in pinned host memory (``strategy: offload``,
+    NOTE [ Offloaded inputs ] in ``_core``); under torch.compile it is a plain full region."""
 
     @property
     def group(self) -> bool:
@@ -479,8 +482,25 @@ def run_policy(
         label=label,
         preserve_rng_state=policy.preserve_rng_state,
         context_fn=_bind_region(rung.context_fn, label),
+        offload=_offload_now(rung, label),
         **kwargs,
     )
+
+
+def _offload_now(rung: Rung, label: str) -> bool:
+    """Whether the region offloads its inputs now: in eager only (torch's checkpoint, which
+    compiled code uses, keeps them on the device), with a warning once under compile."""
+    if not rung.offload:
+        return False
+    if torch.compiler.is_compiling():
+        compile_note(
+            f"offload:{label}",
+            f"{label!r} has strategy 'offload', which torch.compile does not apply: under "
+            "compile the region is a full one whose inputs stay on the device (gradients are "
+            "exact). CheckpointPlan.not_compiled lists such modules. (Shown once.)",
+        )
+        return False
+    return True
 
 
 class ChainCall:
