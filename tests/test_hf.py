@@ -442,6 +442,126 @@ def test_apply_refuses_a_model_that_checkpoints_itself(make: Callable[[], nn.Mod
     vision_ckpt.apply_preset(model, 3)
 
 
+# --- Hugging Face's every_n_layers and offload --------------------------------------------
+
+
+def _vit4() -> nn.Module:
+    torch.manual_seed(0)
+    return T.ViTForImageClassification(_vit_config(num_hidden_layers=4)).train()
+
+
+def _hf_checkpointed(model: nn.Module) -> tuple[str, ...]:
+    """The layers Hugging Face's own switch checkpoints: its ``GradientCheckpointingLayer``
+    modules whose ``gradient_checkpointing`` flag it set."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return tuple(
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing
+    )
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_every_n_layers_checkpoints_hugging_faces_layers(
+    n: int, core_calls: list[Any], assert_exact: Callable[..., None]
+) -> None:
+    plain = _vit4()
+    x = torch.randn(2, 3, 32, 32)
+    expected = _grads(plain, x)
+
+    theirs = copy.deepcopy(plain)
+    theirs.activation_checkpointing_enable(every_n_layers=n)
+    marked = _hf_checkpointed(theirs)
+    assert marked == tuple(f"vit.layers.{i}" for i in range(0, 4, n))  # from layer 0, every n
+
+    ours = copy.deepcopy(plain)
+    plan = enable_checkpointing(ours, every_n_layers=n)
+    assert plan.checkpointed == marked and plan.pinned_training_level == 3
+    del core_calls[:]
+    assert_exact(_grads(ours, x), expected)  # dropout on: same masks, same gradients
+    assert len(core_calls) == len(marked)  # one region per chosen layer, nothing inside others
+    assert_exact(_grads(theirs, x), expected)
+    if n == 1:
+        assert plan == enable_checkpointing(copy.deepcopy(plain), level=3)
+
+
+def test_every_n_layers_keeps_between_none_and_every_layer(saved_bytes: Any) -> None:
+    x = torch.randn(2, 3, 32, 32)
+    kept = {}
+    for what, kwargs in {
+        "none": {"level": 0},
+        "every 2nd": {"every_n_layers": 2},
+        "every": {"level": 3},
+    }.items():
+        model = _vit4()
+        enable_checkpointing(model, **kwargs)
+        with saved_bytes() as counter:
+            loss = first_tensor(model(x)).square().mean()
+        loss.backward()
+        kept[what] = counter.nbytes
+    assert kept["every"] < kept["every 2nd"] < kept["none"], kept
+    # Two of four layers keep everything: about half-way between the two.
+    middle = (kept["none"] + kept["every"]) / 2
+    assert abs(kept["every 2nd"] - middle) < 0.1 * (kept["none"] - kept["every"]), kept
+
+
+def test_offload_on_cpu_is_a_reported_no_op(
+    core_calls: list[Any], assert_exact: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vision_ckpt.integrations.hf as hf_helper
+
+    monkeypatch.setattr(hf_helper, "_offload_warned", False)
+    plain = _vit4()
+    x = torch.randn(2, 3, 32, 32)
+    expected = _grads(plain, x)
+    model = copy.deepcopy(plain)
+    with pytest.warns(UserWarning, match=r"offload=True\): the model is on cpu, where offload"):
+        plan = enable_checkpointing(model, offload=True)
+    layers = tuple(f"vit.layers.{i}" for i in range(4))
+    assert plan.device == "cpu" and plan.checkpointed == layers
+    assert tuple(e.name for e in plan.offloaded) == layers
+    assert plan.not_compiled == tuple(f"{name} (offload)" for name in layers)
+    assert "pinned host memory on CUDA only: on cpu this does nothing" in str(plan)
+    del core_calls[:]
+    assert_exact(_grads(model, x), expected)
+    assert len(core_calls) == 4
+
+    with warnings.catch_warnings(record=True) as caught:  # warned once
+        warnings.simplefilter("always")
+        plan = enable_checkpointing(copy.deepcopy(plain), every_n_layers=3, offload=True)
+    assert not [w for w in caught if "offload" in str(w.message)]
+    assert tuple(e.name for e in plan.offloaded) == ("vit.layers.0", "vit.layers.3")
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "2"])
+def test_every_n_layers_must_be_an_int_from_one(bad: Any) -> None:
+    model = _vit4()
+    with pytest.raises(ConfigError, match=rf"every_n_layers={bad!r}: expected an int >= 1"):
+        enable_checkpointing(model, every_n_layers=bad)
+    assert vision_ckpt.remove(model) == 0
+
+
+def test_every_n_layers_and_offload_errors() -> None:
+    model = _vit4()
+    with pytest.raises(ConfigError, match="offload='yes': expected True or False"):
+        enable_checkpointing(model, offload="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="every_n_layers=2 with level=2, where it checkpoints "):
+        enable_checkpointing(model, level=2, every_n_layers=2)
+    with pytest.raises(ConfigError, match="offload=True with level=4, where it checkpoints groups"):
+        enable_checkpointing(model, level="large_module", offload=True)
+    with pytest.raises(ConfigError, match="every_n_layers=1 with level=0, where nothing is"):
+        enable_checkpointing(model, level=0, every_n_layers=1)
+    with pytest.raises(ConfigError, match="got every_n_layers=2, offload=True and a config"):
+        enable_checkpointing(model, config={"preset": "auto"}, every_n_layers=2, offload=True)
+    with pytest.raises(ConfigError, match="got every_n_layers=2 and memory_budget='1GiB'"):
+        enable_checkpointing(model, every_n_layers=2, memory_budget="1GiB")
+    with pytest.raises(ConfigError, match="Sequential has no repeated layers that its preset"):
+        enable_checkpointing(nn.Sequential(nn.Linear(2, 2)), preset=None, every_n_layers=2)
+    assert vision_ckpt.remove(model) == 0  # the failed calls installed nothing
+    assert enable_checkpointing(model, level=3, every_n_layers=4).checkpointed == ("vit.layers.0",)
+
+
 def test_import_does_not_import_transformers() -> None:
     import subprocess
     import sys

@@ -38,10 +38,39 @@ Hugging Face's flags stay false under vision_ckpt: ``model.is_activation_checkpo
 ``False``, and ``supports_gradient_checkpointing`` does not matter (vision_ckpt also checkpoints
 models without it, such as ConvNeXt). The state dict, ``save_pretrained`` files and parameter
 names are those of the plain model.
+
+NOTE [ Hugging Face's every_n_layers and offload ]
+
+``activation_checkpointing_enable(every_n_layers=n, offload=True)`` counts the model's
+``GradientCheckpointingLayer`` modules in ``named_modules()`` order from 0 across the whole
+model and checkpoints layer ``i`` when ``i % n == 0`` (layers 0, n, 2n, ...; n = 1 is every
+layer); ``offload`` holds what a checkpointed layer keeps for its recomputation (its inputs)
+in pinned host memory. :func:`enable_checkpointing` takes both arguments with that meaning,
+at the layer level only (level 3, the default: each transformer layer one region):
+
+- the layers are the level-3 regions of the model's preset that are items of a repeated list
+  (an ``nn.ModuleList`` / ``nn.Sequential`` child named by its index, e.g. ``vit.layers.4``),
+  counted as Hugging Face counts: in module order across the model, from 0. For ViT, DINOv2,
+  CLIP, SigLIP and SegFormer these are exactly Hugging Face's layers; on Swin Hugging Face
+  also counts its stages, so the two indexings differ there, and ConvNeXt has no switch;
+- the choice is written as ordinary rules appended after the preset's, so the plan prints it:
+  a layer left out gets ``match: "<list>.<i>"`` at level 0, and so does every module the
+  preset selects inside it (``<list>.<i>.mlp``): the whole layer keeps its activations, as
+  under Hugging Face; and with ``offload`` a kept layer gets
+  ``match: "<list>.<i>"`` at level 3 with strategy ``offload`` (which replaces its level-3
+  region). Other level-3 regions of the preset (Swin's patch embedding, SegFormer's decode
+  head) stay as the preset has them;
+- at levels 1-2 (parts of layers), 4-5 (groups of layers), with a config or a memory budget
+  "every n-th layer" has no single meaning, so those combinations raise
+  :class:`~vision_ckpt.ConfigError`.
+
+Strategy ``offload`` does something on CUDA only; on CPU the plan reports it as a no-op and
+:func:`enable_checkpointing` warns once.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,8 +78,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vision_ckpt.apply import CheckpointPlan, apply, as_config, remove, self_checkpointing
-from vision_ckpt.config import CheckpointConfig
+from vision_ckpt.apply import CheckpointPlan, apply, as_config, plan, remove, self_checkpointing
+from vision_ckpt.config import CheckpointConfig, LevelRule
 from vision_ckpt.errors import ConfigError
 from vision_ckpt.levels import Level, parse_level
 
@@ -109,6 +138,8 @@ def enable_checkpointing(
     example_input: torch.Tensor | None = None,
     batch_size: int | None = None,
     preset: str = "auto",
+    every_n_layers: int | None = None,
+    offload: bool = False,
     **options: Any,
 ) -> CheckpointPlan:
     """Checkpoint a Hugging Face (or any) model with vision_ckpt, in place; returns the plan.
@@ -132,6 +163,13 @@ def enable_checkpointing(
         batch_size: the batch size the budget is for (default: ``example_input``'s).
         preset: with ``level`` or a budget: the preset to use, ``"auto"`` to pick it from the
             model's class.
+        every_n_layers: as Hugging Face's ``activation_checkpointing_enable``: of the model's
+            repeated transformer layers, counted from 0 in module order, only layers 0, n,
+            2n, ... are checkpointed (1: every layer, level 3's plan). Only at level 3 (the
+            default); see NOTE [ Hugging Face's every_n_layers and offload ].
+        offload: as Hugging Face's ``offload=True``: the checkpointed layers keep their inputs
+            in pinned host memory until backward (strategy ``offload``), on CUDA; on CPU a
+            no-op that the plan reports (and a warning, once). Only at level 3.
         **options: other :class:`~vision_ckpt.CheckpointConfig` keys with ``level`` or a budget
             (``nesting``, ``rules``, ``selective``...).
 
@@ -141,9 +179,11 @@ def enable_checkpointing(
 
     Raises:
         ConfigError: Hugging Face's own checkpointing is on; both ``level`` and ``config``
-            given; ``memory_budget`` without ``example_input``, or with ``level`` or a config
-            that sets a level; ``options`` with ``config``; no level fits the budget; or the
-            config does not fit the model.
+            given; ``every_n_layers`` not an int >= 1 or ``offload`` not a bool; either of
+            them with a level other than 3, a config or a budget, or on a model without
+            repeated layers; ``memory_budget`` without ``example_input``, or with ``level``
+            or a config that sets a level; ``options`` with ``config``; no level fits the
+            budget; or the config does not fit the model.
         LevelError: ``level`` is not 0-5.
 
     >>> import torch
@@ -154,7 +194,14 @@ def enable_checkpointing(
     ('0', '1', '2')
     >>> disable_checkpointing(net)
     3
+    >>> layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)])
+    >>> every_layer = [{"match": "*", "level": 3}]  # a stand-in for an hf_* preset
+    >>> enable_checkpointing(layers, every_n_layers=2, preset=None, rules=every_layer).checkpointed
+    ('0', '2', '4')
+    >>> disable_checkpointing(layers)
+    3
     """
+    layer_args = _check_layer_args(every_n_layers, offload)
     if hf_checkpointing_on(model):
         raise ConfigError(
             f"{type(model).__name__} has Hugging Face's own activation checkpointing on "
@@ -195,13 +242,19 @@ def enable_checkpointing(
         lv = None if level is None else parse_level(level, what="training level")
         cfg = CheckpointConfig(training_checkpoint_level=lv, preset=preset, **options)
 
+    if layer_args:
+        _refuse_layer_combination(layer_args, level, config, memory_budget)
     if memory_budget is not None:
         chosen = _level_for_budget(model, cfg, memory_budget, example_input, batch_size)
         cfg = cfg.model_copy(update={"training_checkpoint_level": chosen})
     elif config is None and level is None:
         cfg = cfg.model_copy(update={"training_checkpoint_level": DEFAULT_LEVEL})
+    if layer_args:
+        cfg = _every_n_layers_config(model, cfg, every_n_layers or 1, offload, layer_args)
 
     the_plan = apply(model, cfg)
+    if offload and the_plan.device != "cuda":
+        _warn_offload_does_nothing(the_plan.device)
     for name in _HF_SWITCHES:
         if hasattr(model, name):
             model.__dict__[name] = _RefuseHFCheckpointing(name)
@@ -242,3 +295,132 @@ def _level_for_budget(
     if suggestion.level is None:
         raise ConfigError(f"memory_budget {budget!r}: {suggestion.explain()}")
     return Level(suggestion.level)
+
+
+def _check_layer_args(every_n_layers: object, offload: object) -> str:
+    """Validate Hugging Face's two arguments; return how they were given (``""``: neither)."""
+    if every_n_layers is not None and (
+        isinstance(every_n_layers, bool)
+        or not isinstance(every_n_layers, int)
+        or every_n_layers < 1
+    ):
+        raise ConfigError(
+            f"every_n_layers={every_n_layers!r}: expected an int >= 1 (1 checkpoints every "
+            "layer; n checkpoints layers 0, n, 2n, ... as Hugging Face's "
+            "activation_checkpointing_enable(every_n_layers=n)), or None to leave it out."
+        )
+    if not isinstance(offload, bool):
+        raise ConfigError(
+            f"offload={offload!r}: expected True or False (True holds the checkpointed layers' "
+            "inputs in pinned host memory on CUDA, as Hugging Face's offload=True)."
+        )
+    given = []
+    if every_n_layers is not None:
+        given.append(f"every_n_layers={every_n_layers}")
+    if offload:
+        given.append("offload=True")
+    return ", ".join(given)
+
+
+def _refuse_layer_combination(
+    layer_args: str,
+    level: int | str | Level | None,
+    config: object,
+    memory_budget: int | str | None,
+) -> None:
+    """every_n_layers / offload mean something at the layer level only (NOTE [ Hugging Face's
+    every_n_layers and offload ])."""
+    fix = (
+        "they choose which transformer layers are regions at the layer level (3, each layer "
+        "one region, the default), as Hugging Face's activation_checkpointing_enable does"
+    )
+    if config is not None:
+        raise ConfigError(
+            f"enable_checkpointing got {layer_args} and a config; {fix}. Give level=3 (or no "
+            "level) without a config, or write the rules in the config yourself: "
+            '{"match": "<layers>.<i>", "level": 0} (and the same for its inner regions) to '
+            "leave layer i out, strategy: offload on a layer's rule to offload it."
+        )
+    if memory_budget is not None:
+        raise ConfigError(
+            f"enable_checkpointing got {layer_args} and memory_budget={memory_budget!r}; {fix}, "
+            "while the budget chooses a level. Give one of them."
+        )
+    if level is not None:
+        lv = parse_level(level, what="training level")
+        if lv != DEFAULT_LEVEL:
+            kind = (
+                "nothing is checkpointed"
+                if lv == Level.NONE
+                else "it checkpoints parts of layers"
+                if lv < DEFAULT_LEVEL
+                else "it checkpoints groups of layers"
+            )
+            raise ConfigError(
+                f"enable_checkpointing got {layer_args} with level={int(lv)}, where {kind}; "
+                f"{fix}. Give level=3 (or leave level out), or drop {layer_args}."
+            )
+
+
+def _layer_regions(checkpoint_plan: CheckpointPlan, model: nn.Module) -> list[str]:
+    """The repeated layers among the plan's checkpointed whole-layer regions, in module order:
+    items of a ModuleList / Sequential (named by their index), outermost only."""
+    out: list[str] = []
+    for entry in checkpoint_plan.entries:
+        rung = entry.rung_at(checkpoint_plan.training_level) if entry.checkpointed else None
+        if rung is None or rung.strategy != "full" or rung.group or rung.through is not None:
+            continue
+        parent, _, index = entry.name.rpartition(".")
+        if not index.isdigit():
+            continue
+        container = model.get_submodule(parent)
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        if any(entry.name.startswith(f"{kept}.") for kept in out):
+            continue
+        out.append(entry.name)
+    return out
+
+
+def _every_n_layers_config(
+    model: nn.Module, cfg: CheckpointConfig, every_n: int, offload: bool, layer_args: str
+) -> CheckpointConfig:
+    """``cfg`` (at level 3) with rules that keep every ``every_n``-th layer region, offloaded
+    when asked (NOTE [ Hugging Face's every_n_layers and offload ])."""
+    base = plan(model, cfg)
+    layers = _layer_regions(base, model)
+    if not layers:
+        raise ConfigError(
+            f"enable_checkpointing({layer_args}): {type(model).__name__} has no repeated layers "
+            f"that its preset ({cfg.preset!r}) checkpoints as whole regions at level 3, so there "
+            "is no n-th layer to pick. Give the preset with preset='hf_vit' (see "
+            "vision_ckpt.list_presets()), or use level=... without every_n_layers / offload."
+        )
+    rules: list[LevelRule] = []
+    for i, name in enumerate(layers):
+        if i % every_n:  # the layer and what the preset selects inside it: no region at all
+            rules += [
+                LevelRule(match=e.name, level=Level.NONE)
+                for e in base.entries
+                if (e.name == name or e.name.startswith(f"{name}.")) and e.level != Level.NONE
+            ]
+        elif offload:
+            rules.append(LevelRule(match=name, level=DEFAULT_LEVEL, strategy="offload"))
+    return cfg.model_copy(update={"rules": (*cfg.rules, *rules)})
+
+
+_offload_warned = False
+
+
+def _warn_offload_does_nothing(device: str | None) -> None:
+    global _offload_warned
+    if not _offload_warned:
+        _offload_warned = True
+        warnings.warn(
+            f"enable_checkpointing(offload=True): the model is on {device or 'no device'}, "
+            "where offload does nothing: its layers are plain full regions (print(plan) says "
+            "so). Offload holds their inputs in pinned host memory on CUDA only; move the model "
+            "to a GPU before calling enable_checkpointing. (This warning is shown once.)",
+            UserWarning,
+            stacklevel=3,
+        )
