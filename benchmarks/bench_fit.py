@@ -93,6 +93,7 @@ def run(name: str, levels: list[int], time_steps: int | None) -> dict:
         "spec": spec,
         "input_shape": list(shape),
         "batches": list(batches),
+        "command": "python " + " ".join(sys.argv),
         "device": "cpu: bytes of live tensors (no CUDA allocator), no optimizer",
         "torch": torch.__version__,
         "platform": platform.platform(),
