@@ -95,12 +95,21 @@ class Workload:
 
 
 def batch_of(example: torch.Tensor, batch: int) -> torch.Tensor:
-    """``example`` resized along dim 0 to ``batch`` rows (sliced, or tiled when larger)."""
+    """``example`` resized along dim 0 to ``batch`` rows (cut, or tiled when larger).
+
+    A smaller batch is a copy, not a view: the byte meters count a tensor by its storage, and a
+    view would carry the whole example's bytes into every small batch, so the per-sample slope
+    the extrapolation reads would leave out the input.
+
+    >>> x = torch.zeros(8, 3)
+    >>> batch_of(x, 2).untyped_storage().nbytes(), batch_of(x, 16).shape
+    (24, torch.Size([16, 3]))
+    """
     have = example.shape[0]
     if batch == have:
         return example
     if batch < have:
-        return example[:batch]
+        return example[:batch].clone()
     reps = math.ceil(batch / have)
     return example.repeat(reps, *([1] * (example.dim() - 1)))[:batch]
 
