@@ -77,6 +77,11 @@ if TYPE_CHECKING:
         ModelSpecError as ModelSpecError,
         build_model as build_model,
     )
+    from .peak import (
+        PeakReport as PeakReport,
+        physical_floor as physical_floor,
+        where_peak as where_peak,
+    )
     from .presets import (
         list_presets as list_presets,
         load_preset as load_preset,
@@ -116,6 +121,9 @@ _LAZY: dict[str, str] = {
     "max_batch": "fit",
     "ModelSpecError": "models",
     "build_model": "models",
+    "PeakReport": "peak",
+    "physical_floor": "peak",
+    "where_peak": "peak",
     "list_presets": "presets",
     "load_preset": "presets",
     "preset_for_model": "presets",
@@ -177,6 +185,9 @@ __all__ = [
     "FitRow",
     "build_model",
     "ModelSpecError",
+    "where_peak",
+    "physical_floor",
+    "PeakReport",
 ]
 
 
