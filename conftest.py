@@ -26,6 +26,15 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Every test and doctest runs on one thread, and a test that changes the count (an
+    example script, a benchmark helper) does not leak it into the next."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
 def _isolated_doctest(request: pytest.FixtureRequest) -> Iterator[None]:
     """A doctest starts at training level 0 and leaves no global state behind: the level and
     the preset registry (the presets examples register a preset) are put back afterwards."""

@@ -168,9 +168,7 @@ def main() -> None:
             continue
         if reference is None:
             reference = result["grads"]
-        row["grads_exact"] = all(
-            torch.equal(result["grads"][n], g) for n, g in reference.items()
-        )
+        row["grads_exact"] = all(torch.equal(result["grads"][n], g) for n, g in reference.items())
         row["saved_mib"] = round(result["saved"] / MIB, 1)
         row["peak_mib"] = round(result["peak"] / MIB, 1)
         row["num_regions"] = len(row["regions"])

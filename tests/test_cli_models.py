@@ -36,14 +36,6 @@ HF_VIT = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --- reading specs -------------------------------------------------------------------------
 
 

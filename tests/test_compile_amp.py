@@ -23,16 +23,6 @@ MODELS = list(LEVEL_RULES)
 LEVELS = range(6)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Two threads on a shared 2-core machine make every op wait for the other core; the
-    # results are the same either way.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def applied(name: str, level: int, seed: int = 0) -> nn.Module:
     """``_models.make(name)`` with its level rules applied at training level ``level``."""
     model = make(name, seed)

@@ -66,14 +66,6 @@ DEFAULT = {
 RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def build(family: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     name, options, size = FAMILIES[family]
     torch.manual_seed(0)

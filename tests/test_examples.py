@@ -38,14 +38,6 @@ VIT = str(ROOT / "configs" / "train" / "vit_tiny.yaml")
 RESNET = str(ROOT / "configs" / "train" / "resnet_tiny.yaml")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/test_compile_amp.py
-    yield
-    torch.set_num_threads(previous)
-
-
 # --------------------------------------------------------------------------------------------
 # custom_blocks.py
 # --------------------------------------------------------------------------------------------

@@ -23,14 +23,6 @@ from vision_ckpt._measure import Workload, measure_memory
 from vision_ckpt.models import output_loss
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _resnet() -> nn.Module:
     torch.manual_seed(0)
     return timm.create_model("resnet18", pretrained=False, num_classes=10)

@@ -128,14 +128,6 @@ def _module(cls: type[Classifier] = Classifier) -> Classifier:
     return cls()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def plain_run() -> Classifier:
     module = _module()

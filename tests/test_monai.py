@@ -204,14 +204,6 @@ def _case(case_id: str) -> Case:
     return next(c for c in FAMILIES if c.id == case_id)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("case", _params(FAMILIES))
 def test_family_preset(case: Case, core_calls: list[Any]) -> None:
     check_case(case, core_calls)

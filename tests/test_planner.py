@@ -27,14 +27,6 @@ from vision_ckpt.cli import main
 from vision_ckpt.profile import default_loss, plan_for_budget, planner_frontier, resolve_auto
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _per_block(result):
     """The per-block plan of a result: itself, or the one a faster uniform level beat (which
     must then be predicted no faster than that level)."""

@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import timm
-import torch
 from _family_check import Case, check_case
 from torch import nn
 
@@ -206,16 +205,6 @@ ZOO = [
 
 def _params(cases: list[Case]) -> list[Any]:
     return [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.slow else []) for c in cases]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: with several threads on a shared machine, synchronisation dominates
-    # (a 50 ms step takes seconds).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
