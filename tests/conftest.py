@@ -2,8 +2,8 @@
 
 - ``assert_exact(actual, expected)``: bit-exact comparison of tensors inside any nesting of
   lists, tuples and dicts (other leaves compared with ``==``).
-- ``saved_bytes``: a context manager class that counts the bytes autograd packs for backward
-  while it is active (each storage counted once).
+- ``saved_bytes``: the library's ``count_saved_bytes``, a context manager that counts the bytes
+  autograd packs for backward while it is active (each storage counted once).
 - ``op_counter``: a context manager class that counts the aten ops dispatched while it is active.
 - ``core_calls``: a list that records every call of the core's ``checkpoint`` during the test
   (the wrapper and ``apply`` reach the core through the module attribute, so this sees them).
@@ -49,40 +49,6 @@ def _assert_exact(actual: Any, expected: Any, where: str = "value") -> None:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
-class SavedBytes:
-    """Count bytes packed for backward: ``with SavedBytes() as c: ...; c.nbytes``.
-
-    Storages are keyed by (device, data pointer) so that views and repeated saves of one tensor
-    count once. Tensors without real storage (meta) count by their own size.
-    """
-
-    def __init__(self) -> None:
-        self.nbytes = 0
-        self.count = 0
-        self._seen: set[tuple[str, int]] = set()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.count += 1
-        storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
-        if t.device.type == "meta" or key not in self._seen:
-            self._seen.add(key)
-            self.nbytes += storage.nbytes()
-        return t
-
-    @staticmethod
-    def _unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def __enter__(self) -> SavedBytes:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-
-
 class OpCounter(TorchDispatchMode):
     """Count aten ops by packet name (``"mm"``, ``"sin"``...): ``with OpCounter() as c: ...``."""
 
@@ -103,8 +69,11 @@ def assert_exact():
 
 @pytest.fixture
 def saved_bytes():
-    """The :class:`SavedBytes` class: instantiate it as a context manager."""
-    return SavedBytes
+    """The library's own counter, :func:`vision_ckpt._memory.count_saved_bytes`: ``with
+    saved_bytes() as c: ...; c.nbytes``."""
+    from vision_ckpt._memory import count_saved_bytes
+
+    return count_saved_bytes
 
 
 @pytest.fixture
