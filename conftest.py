@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from collections.abc import Iterator
 
@@ -34,6 +35,19 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
 
 
+# The registry's module-level state: what register_preset adds to and preset_for_model caches.
+_REGISTRY_STATE = ("_selectors", "_registered", "_cache", "_registered_families")
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preset registry as a copy for the test: presets it registers are gone afterwards."""
+    from vision_ckpt import presets
+
+    for name in _REGISTRY_STATE:
+        monkeypatch.setattr(presets, name, copy.copy(getattr(presets, name)))
+
+
 @pytest.fixture(autouse=True)
 def _isolated_doctest(request: pytest.FixtureRequest) -> Iterator[None]:
     """A doctest starts at training level 0 and leaves no global state behind: the level and
@@ -42,15 +56,11 @@ def _isolated_doctest(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         return
     import vision_ckpt
-    from vision_ckpt import presets
 
-    saved = (list(presets._selectors), dict(presets._registered), dict(presets._cache))
+    request.getfixturevalue("scratch_registry")
     vision_ckpt.set_training_level(0)
     try:
         yield
     finally:
         vision_ckpt.set_training_level(0)
-        presets._selectors[:] = saved[0]
-        for registry, before in zip((presets._registered, presets._cache), saved[1:], strict=True):
-            registry.clear()
-            registry.update(before)
+

@@ -239,14 +239,6 @@ class _TieNet(nn.Module):
         return self.body(x)
 
 
-@pytest.fixture
-def scratch_registry(monkeypatch):
-    monkeypatch.setattr(presets, "_selectors", list(presets._selectors))
-    monkeypatch.setattr(presets, "_registered", dict(presets._registered))
-    monkeypatch.setattr(presets, "_cache", dict(presets._cache))
-    monkeypatch.setattr(presets, "_registered_families", dict(presets._registered_families))
-
-
 def test_equally_specific_presets_are_a_tie(scratch_registry) -> None:
     rules = CheckpointConfig(rules=[{"match": "body", "level": 3}])
     cls = f"{__name__}._TieNet"
