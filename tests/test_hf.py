@@ -318,6 +318,35 @@ def test_levels_one_and_two_save_something(case: Case) -> None:
     assert saved[1] < saved[0] and saved[2] < saved[0], saved
 
 
+def test_vit_level_five_nests_the_attention_and_lowers_the_peak(
+    core_calls: list[Any], assert_exact: Callable[..., None]
+) -> None:
+    """hf_vit's level 5 adds each layer's attention as a region inside the layer's
+    recomputation: gradients stay bit-exact with dropout on, and the step's peak falls below
+    level 4's (the forward saves the same; the recomputed layers' MLP backward no longer holds
+    the attention's tensors)."""
+    from vision_ckpt._memory import track_peak_memory
+
+    torch.manual_seed(0)
+    plain = T.ViTForImageClassification(
+        _vit_config(num_hidden_layers=4, hidden_size=64, intermediate_size=128, image_size=64)
+    ).train()
+    x = torch.randn(4, 3, 64, 64)
+    expected = _grads(plain, x)
+    peaks, calls = {}, {}
+    for level in (4, 5):
+        model = copy.deepcopy(plain)
+        vision_ckpt.apply_preset(model, level)
+        del core_calls[:], core_calls.labels[:]
+        with track_peak_memory(model, x) as mem:
+            got = _grads(model, x)
+        assert_exact(got, expected)  # same dropout masks, same gradients, rtol=atol=0
+        peaks[level] = mem.activation_bytes
+        calls[level] = sorted({str(name) for name in core_calls.labels if "attention" in str(name)})
+    assert calls == {4: [], 5: [f"vit.layers.{i}.attention" for i in range(4)]}, calls
+    assert peaks[5] < 0.9 * peaks[4], peaks
+
+
 # --- the helper ----------------------------------------------------------------------------
 
 
@@ -354,7 +383,7 @@ def test_enable_returns_the_plan_and_keeps_the_state_dict(
 
     again = enable_checkpointing(model, level=1)  # replaces the first
     assert again.checkpointed == plan.checkpointed  # the layers, selective
-    assert disable_checkpointing(model) == len(again) == 4  # layers and MLPs were installed
+    assert disable_checkpointing(model) == len(again) == 6  # layers, MLPs, attentions installed
     assert disable_checkpointing(model) == 0
 
 
