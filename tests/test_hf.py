@@ -244,15 +244,6 @@ HF_PRESETS = list_presets("hf_*")
 _CASE = {c.id: c for c in FAMILIES}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: with several threads on a shared machine, synchronisation dominates.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(autouse=True)
 def _quiet_hf():
     # transformers warns about deprecated aliases (gradient_checkpointing_enable) and the like.
