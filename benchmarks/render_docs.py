@@ -70,10 +70,9 @@ NOTES: dict[str, str] = {
     "frontier_b32_cpu_cached": "A first `--allocator cached` run: blocks over 32 MB were still "
     "mapped and zeroed afresh (the option now also sets `MALLOC_MMAP_MAX_=0`), and the presets "
     "of that time: levels 4-5 of Swin, ConvNeXt and ViT had no lean MLPs yet.",
-    "fit": "Written by `python benchmarks/bench_fit.py` (one file per model; the files do not "
-    "record the command): the largest batch whose step peak fits each budget, per level and "
-    "for the library's own switch, from a few small CPU batches counted by the storage "
-    "tracker; see [cli.md](cli.md).",
+    "fit": "Written by `python benchmarks/bench_fit.py` (one file per model): the largest "
+    "batch whose step peak fits each budget, per level and for the library's own switch, "
+    "from a few small CPU batches counted by the storage tracker; see [cli.md](cli.md).",
     "planner_b32": "The results file does not record its command; it is the earlier run of "
     "`bench_planner.py` with its default wall clock.",
     "planner_b32_cpu": "The results file does not record its command; its table was made by "
@@ -370,9 +369,38 @@ docstring; the ones without a results file here print their tables when run.
 """
 
 
+def _fit_summary(results: list[dict]) -> list[str]:
+    """One table over every ``fit/*`` file, drawn by bench_fit's own ``table`` (so the script's
+    printout and this page cannot disagree); the per-model sections below give every field."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_fit", Path(__file__).parent / "bench_fit.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench_fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_fit)
+    return [
+        "## Largest batch that fits, per level and against each model's own switch (`fit`)",
+        "",
+        f"- {NOTES['fit']}",
+        "- Reproduce: `python benchmarks/bench_fit.py --threads 1 --time-steps 0 --models vit_s "
+        "convnext_t hf_vit_b smp_unet_r34`, `--models swinunetr_96`, `--models swinunetr_128 "
+        "--levels 3`; `--render` prints this table again.",
+        "",
+        bench_fit.table(results),
+        "",
+    ]
+
+
 def render_benchmarks() -> str:
     lines = [BENCHMARKS_HEADER]
-    for key, data in _load_results():
+    loaded = _load_results()
+    fits = [data for key, data in loaded if key.startswith("fit/")]
+    for key, data in loaded:
+        if fits and key.startswith("fit/"):
+            lines += _fit_summary(fits)
+            fits = []
         lines += _section(key, data)
     return "\n".join(lines).rstrip() + "\n"
 
