@@ -11,6 +11,7 @@ Every error is one line on stderr and a non-zero exit code: 2 for bad arguments 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -137,8 +138,9 @@ def _profile_table(result: Any) -> Any:
     table.add_column("step time", justify="right")
     table.add_column("slowdown", justify="right")
     has_cuda = any(e.cuda_peak_bytes is not None for e in result.levels)
-    if has_cuda:
-        table.add_column("cuda peak", justify="right")
+    if has_cuda:  # the allocator's figures (NOTE [ Two meters ] in vision_ckpt._measure)
+        table.add_column("cuda allocated", justify="right")
+        table.add_column("cuda reserved", justify="right")
     table.add_column("frontier")
     frontier = result.frontier()
     for e in result.levels:
@@ -156,7 +158,7 @@ def _profile_table(result: Any) -> Any:
                 "-" if e.time_ratio is None else f"{e.time_ratio:.2f}x",
             ]
         if has_cuda:
-            row.append(_fmt_bytes(e.cuda_peak_bytes))
+            row += [_fmt_bytes(e.cuda_peak_bytes), _fmt_bytes(e.cuda_reserved_bytes)]
         mark = frontier.get(e.level)
         row.append("" if mark is None else (mark or "yes"))
         table.add_row(*row)
@@ -306,7 +308,12 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
     )
     from rich.table import Table
 
-    table = Table(title=f"{args.model}: predicted step peak at batch {args.batch_size}")
+    table = Table(
+        title=(
+            f"{args.model}: predicted step peak at batch {args.batch_size} "
+            f"(meter: {suggestion.meter})"
+        )
+    )
     table.add_column("level", justify="right")
     table.add_column("predicted peak", justify="right")
     table.add_column("fits", justify="center")
@@ -315,7 +322,9 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
         table.add_row(str(level), _fmt_bytes(peak), "yes" if fits else "no")
     console.print(table)
     console.print(suggestion.explain())
-    report: dict[str, Any] = {"uniform": {"level": suggestion.level}}
+    report: dict[str, Any] = {"uniform": {"level": suggestion.level, "meter": suggestion.meter}}
+    if suggestion.check is not None:  # on CUDA: the real step that confirmed the level
+        report["uniform"]["check"] = dataclasses.asdict(suggestion.check)
     if args.uniform_only:
         return 0 if suggestion.fits else 1
 
