@@ -338,6 +338,43 @@ def test_vit_level_five_nests_the_attention_and_lowers_the_peak(
     assert peaks[5] < 0.9 * peaks[4], peaks
 
 
+def test_dinov2_level_five_nests_the_attention_half_and_lowers_the_peak(
+    core_calls: list[Any], assert_exact: Callable[..., None]
+) -> None:
+    """hf_dinov2's level 5 adds norm1 through attention as a run inside each recomputed layer:
+    bit-exact with dropout and drop-path on, and a lower step peak than level 4."""
+    from vision_ckpt._memory import track_peak_memory
+
+    config = T.Dinov2Config(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        mlp_ratio=2,
+        image_size=64,
+        patch_size=8,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        drop_path_rate=0.1,
+    )
+    torch.manual_seed(0)
+    plain = T.Dinov2ForImageClassification(config).train()
+    x = torch.randn(4, 3, 64, 64)
+    expected = _grads(plain, x)
+    peaks, runs = {}, {}
+    for level in (4, 5):
+        model = copy.deepcopy(plain)
+        plan = vision_ckpt.apply_preset(model, level)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the run is taken whole, never cut short
+            with track_peak_memory(model, x) as mem:
+                got = _grads(model, x)
+        assert_exact(got, expected)
+        peaks[level] = mem.activation_bytes
+        runs[level] = sorted(e.name for e in plan.entries if e.name.endswith(".norm1"))
+    assert runs[5] == [f"dinov2.encoder.layer.{i}.norm1" for i in range(4)], runs
+    assert peaks[5] < 0.9 * peaks[4], peaks
+
+
 # --- the helper ----------------------------------------------------------------------------
 
 
