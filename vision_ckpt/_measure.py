@@ -279,17 +279,10 @@ class _AllocatorMeter:
 
     def _allocator_step(self, work: Workload, x: torch.Tensor) -> tuple[int, int]:
         """(allocated, reserved) peaks of one plain step on ``x``; the caller warms up."""
-        model, optimizer = work.model, work.optimizer
-        model.zero_grad(set_to_none=True)  # the last step's gradients are not this step's
+        work.model.zero_grad(set_to_none=True)  # freed before the reset: not this step's
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        out = model(x)
-        loss = work.loss_fn(out)
-        del out
-        loss.backward()
-        del loss
-        if optimizer is not None:
-            optimizer.step()
+        run_step(work, x)
         torch.cuda.synchronize(self.device)
         return (
             int(torch.cuda.max_memory_allocated(self.device)),
