@@ -297,15 +297,14 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
     console = _console()
     small = max(2, args.batch_size // 4)
     x = _input_for(_input_shape(args, model, console), small, args.device)
-    suggestion = suggest_level(
-        model,
-        x,
-        args.budget,
-        batch_size=args.batch_size,
-        config=config,
-        margin=args.margin,
-        loss_fn=output_loss,
-    )
+    # suggest_level and plan_for_budget answer the same question on the same measurements
+    question: dict[str, Any] = {
+        "batch_size": args.batch_size,
+        "config": config,
+        "margin": args.margin,
+        "loss_fn": output_loss,
+    }
+    suggestion = suggest_level(model, x, args.budget, **question)
     from rich.table import Table
 
     table = Table(
@@ -328,15 +327,7 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
     if args.uniform_only:
         return 0 if suggestion.fits else 1
 
-    result = plan_for_budget(
-        model,
-        x,
-        args.budget,
-        batch_size=args.batch_size,
-        config=config,
-        margin=args.margin,
-        loss_fn=output_loss,
-    )
+    result = plan_for_budget(model, x, args.budget, **question)
     fastest = result.fastest_uniform()
     per_block = result if result.uniform_level is None else result.per_block
     plan_table = Table(

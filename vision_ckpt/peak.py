@@ -72,6 +72,7 @@ levels (issue 26, docs/derive.md) builds on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterator
@@ -578,12 +579,11 @@ def where_peak(
     """
     cfg = _config_of(config, level)
     loss = loss_fn or default_loss
-    with model_restored(model, None):
-        if cfg is not None:
-            with applied(model, cfg):
-                tracker, start, grads = _traced_step(model, example_input, loss, False)
-        else:
-            tracker, start, grads = _traced_step(model, example_input, loss, False)
+    with (
+        model_restored(model, None),
+        applied(model, cfg) if cfg is not None else contextlib.nullcontext(),
+    ):
+        tracker, start, grads = _traced_step(model, example_input, loss, False)
     floor_found = physical_floor(model, example_input, loss_fn) if floor else None
     op, shapes, where, recomputing, phase = tracker.peak_op or ("", (), "", False, "forward")
     return PeakReport(
