@@ -123,8 +123,7 @@ class BudgetPlan:
 
     def fastest_uniform(self) -> int | None:
         """The fitting uniform level with the shortest step time, or ``None``."""
-        fitting = [lv for lv, u in self.uniform.items() if u["fits"] and u["time"] is not None]
-        return min(fitting, key=lambda lv: (self.uniform[lv]["time"], lv), default=None)
+        return _fastest_uniform(self.uniform)
 
     def explain(self) -> str:
         """One line: what was chosen and what it is predicted to cost."""
@@ -714,10 +713,25 @@ def _step_seconds(work: Workload, target: int) -> float:
     return _proportional(points, target)
 
 
+def _fastest_uniform(uniform: dict[int, dict[str, Any]]) -> int | None:
+    """The fitting level of ``uniform`` (as :func:`_uniform_levels` gives it) with the shortest
+    step time, the lower level on a tie; ``None`` when none fits."""
+    fitting = [lv for lv, u in uniform.items() if u["fits"] and u["time"] is not None]
+    return min(fitting, key=lambda lv: (uniform[lv]["time"], lv), default=None)
+
+
 def _uniform_levels(
-    work: Workload, target: int, base: CheckpointConfig, goal: int, limit: int, floor: float
+    work: Workload,
+    target: int,
+    base: CheckpointConfig,
+    goal: int,
+    limit: int,
+    floor: float,
+    peak0: int,
 ) -> dict[int, dict[str, Any]]:
-    """Per uniform level: predicted peak, whether it fits ``goal``, and its step time if so."""
+    """Per uniform level: predicted peak, whether it fits ``goal``, and its step time if so.
+    ``floor`` and ``peak0`` are the plain step's time and peak, already measured for the menus:
+    a level that checkpoints nothing takes them instead of measuring that step again."""
     out: dict[int, dict[str, Any]] = {}
     seen: dict[tuple[Any, ...], int] = {}
     with applied(work.model, base) as plan:
@@ -727,10 +741,13 @@ def _uniform_levels(
                 out[level] = dict(out[seen[signature]])
                 continue
             seen[signature] = level
+            plain = not any(rung is not None or lean for _, rung, lean, _ in signature)
             with training_level(level):
-                peak = extrapolated_peak(peak_measurer(work), target, limit)[0]
+                if plain:
+                    peak = peak0
+                else:
+                    peak = extrapolated_peak(peak_measurer(work), target, limit)[0]
                 fits = peak <= goal
-                plain = not any(rung is not None or lean for _, rung, lean, _ in signature)
                 if not fits:
                     seconds = None
                 elif plain:  # checkpoints nothing: the plain step, timed as base_time already
@@ -847,18 +864,14 @@ def plan_for_budget(
                 best = (least, chosen, measured)
         base = following_global(config)
         floor = menus.base_time
-        uniform = _uniform_levels(work, target, base, goal, budget_bytes, floor)
+        uniform = _uniform_levels(work, target, base, goal, budget_bytes, floor, menus.peak0)
         plan_time = None
         if best is not None and all(v == "keep" for v in best[1].values()):
             plan_time = floor  # no checkpointing: the plain step, base_time itself
         elif best is not None:
             with applied(model, menus.config_for(best[1])):
                 plan_time = max(floor, _step_seconds(work, target))
-        fastest = min(
-            (lv for lv, u in uniform.items() if u["fits"]),
-            key=lambda lv: (uniform[lv]["time"], lv),
-            default=None,
-        )
+        fastest = _fastest_uniform(uniform)
         level_check: FitCheck | None = None
         if fastest is not None and (plan_time is None or uniform[fastest]["time"] < plan_time):
             with applied(model, base) as level_plan, training_level(fastest):
