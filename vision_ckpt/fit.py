@@ -176,9 +176,7 @@ class FitResult:
 def _measure(work: Workload, batches: Sequence[int], time_steps: int) -> _Points:
     points = _Points(list(batches), [], [], [])
     for b in batches:
-        # A storage of its own: a slice of the example would be counted at the example's size
-        # whatever the batch, and the input's bytes per sample would drop out of the slopes.
-        x = work.batch(b).clone()
+        x = work.batch(b)  # a storage of its own at every batch (see _measure.batch_of)
         timeline: list[int] = []
         points.peaks.append(measure_memory(work, x, timeline).deciding)
         points.timelines.append(timeline)
