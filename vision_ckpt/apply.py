@@ -207,14 +207,17 @@ class CheckpointPlan:
         >>> CheckpointPlan("M", (), Level.NONE, None, "all", True, None).not_compiled
         ()
         """
+        offload = [f"{e.name} (offload)" for e in self.offloaded]
+        return (*self._runs_not_compiled(), *offload)
+
+    def _runs_not_compiled(self) -> list[str]:
+        """The labels of the runs of sibling calls that apply at the plan's training level."""
         level = self.training_level
-        runs = [
+        return [
             label
             for e, label in self.runs
             if any(r.through is not None and is_checkpointed(r.level, level) for r in e.rungs)
         ]
-        offload = [f"{e.name} (offload)" for e in self.offloaded]
-        return tuple(runs + offload)
 
     @property
     def offloaded(self) -> tuple[PlanEntry, ...]:
@@ -294,7 +297,7 @@ class CheckpointPlan:
         buffer = io.StringIO()
         Console(file=buffer, width=140, color_system=None, force_terminal=False).print(table)
         text = "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
-        runs = [n for n in self.not_compiled if not n.endswith(" (offload)")]
+        runs = self._runs_not_compiled()
         if runs:
             shown = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more" if len(runs) > 4 else "")
             text += (
