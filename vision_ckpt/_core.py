@@ -1135,9 +1135,12 @@ def _offloadable(t: torch.Tensor) -> bool:
 
 def _offload_inputs(tensors: list[torch.Tensor]) -> list[Any]:
     """The region's inputs, those on CUDA as pinned host copies (NOTE [ Offloaded inputs ])."""
-    saved = _save_inputs([t for t in tensors if not _offloadable(t)])
-    kept = iter(saved)
-    return [_HostCopy(t, pin=True) if _offloadable(t) else next(kept) for t in tensors]
+    offload = [_offloadable(t) for t in tensors]
+    kept = iter(_save_inputs([t for t, off in zip(tensors, offload, strict=True) if not off]))
+    return [
+        _HostCopy(t, pin=True) if off else next(kept)
+        for t, off in zip(tensors, offload, strict=True)
+    ]
 
 
 def _save_inputs(tensors: list[torch.Tensor]) -> list[Any]:
