@@ -297,7 +297,7 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
     console = _console()
     small = max(2, args.batch_size // 4)
     x = _input_for(_input_shape(args, model, console), small, args.device)
-    # suggest_level and plan_for_budget answer the same question on the same measurements
+    # suggest_level and plan_for_budget answer the same question: one set of arguments
     question: dict[str, Any] = {
         "batch_size": args.batch_size,
         "config": config,
