@@ -37,6 +37,7 @@ LAYERS: list[set[str]] = [
     {"_planner"},  # per-block plans -> _search, _extrapolate, _measure, apply, _memory
     {"profile", "fit", "peak"},  # the public faces of the four above; fit -> models, _planner;
     # peak -> apply, _measure
+    {"derive"},  # levels derived by measurement (issue 26) -> _planner, _spans, peak
     {"integrations", "integrations.lightning", "integrations.hf"},  # trainers, model libraries
     {"cli"},  # the only code that prints or exits
     {"__main__"},
