@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vision_ckpt
-from vision_ckpt.wrapper import HEAVY_OPS, SaveOps
+from vision_ckpt._selective import HEAVY_OPS, SaveOps
 
 # Fused attention on CPU / a GPU, and what SDPA's math path (fake CUDA) multiplies with.
 ATTENTION = {
@@ -260,7 +260,7 @@ class _Clones(TorchDispatchMode):
 
 def test_a_selective_forward_on_fake_cuda_copies_no_kept_output() -> None:
     """The guard that copies a kept output before an in-place write into it (NOTE [ Kept
-    outputs written in place ] in ``wrapper``) must tell storages apart under fake tensors, what
+    outputs written in place ] in ``_selective``) must tell storages apart under fake tensors, what
     torch.compile traces with: it used to compare data pointers, 0 for every fake tensor, and
     cloned every kept output at every in-place operator (134 clones in resnet18's level-1
     forward, 0 on CPU)."""

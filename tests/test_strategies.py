@@ -47,29 +47,19 @@ def _model(name: str) -> tuple[nn.Module, torch.Tensor]:
     return model, torch.randn(2, 3, size, size)
 
 
-def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list, list]:
-    torch.manual_seed(1)  # the same dropout and drop-path masks in every run
-    out = model(x)
-    out.square().mean().backward()
-    grads = [p.grad for p in model.parameters()]
-    return out.detach(), grads, [b.clone() for b in model.buffers()]
-
-
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_presets_are_exact_at_every_level_with_the_new_strategies(name: str, assert_exact) -> None:
+def test_presets_are_exact_at_every_level_with_the_new_strategies(
+    name: str, assert_exact, exact_step
+) -> None:
     model, x = _model(name)
-    reference = _step(copy.deepcopy(model), x)
+    reference = exact_step(copy.deepcopy(model), x)
     for level in range(1, 6):
         applied = copy.deepcopy(model)
         vision_ckpt.apply_preset(applied, level)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no selective region may run without keeping
-            got = _step(applied, x)
-        assert_exact(got[0], reference[0], f"{name} output at level {level}")
-        for i, (g, r) in enumerate(zip(got[1], reference[1], strict=True)):
-            assert_exact(g, r, f"{name} gradient {i} at level {level}")
-        for i, (b, r) in enumerate(zip(got[2], reference[2], strict=True)):
-            assert_exact(b, r, f"{name} buffer {i} (BatchNorm statistics) at level {level}")
+            got = exact_step(applied, x)
+        assert_exact(got, reference, f"{name} at level {level}")  # BatchNorm statistics too
 
 
 def _kept_bytes(model: nn.Module, x: torch.Tensor) -> int:
@@ -252,15 +242,13 @@ def test_the_default_heavy_set_warns_only_when_none_of_it_runs() -> None:
         norm_only(torch.randn(2, 4)).sum().backward()
 
 
-def test_a_kept_output_written_in_place_stays_exact(assert_exact) -> None:
+def test_a_kept_output_written_in_place_stays_exact(assert_exact, exact_step) -> None:
     """Linear then ReLU(inplace=True) (SwinV2's position-bias MLP): the kept Linear output is
     copied before the ReLU writes into it (NOTE [ Kept outputs written in place ])."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4)).train()
     x = torch.randn(3, 8)
-    model(x).square().sum().backward()
-    reference = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
+    reference = exact_step(model, x)
     vision_ckpt.apply(
         model,
         {
@@ -268,13 +256,11 @@ def test_a_kept_output_written_in_place_stays_exact(assert_exact) -> None:
             "rules": [{"match_type": "Sequential", "level": 1, "strategy": "selective"}],
         },
     )
-    model(x).square().sum().backward()
-    for got, want in zip((p.grad for p in model.parameters()), reference, strict=True):
-        assert_exact(got, want)
+    assert_exact(exact_step(model, x), reference)
 
 
 def test_recompute_below_redoes_cheap_convolutions_only() -> None:
-    from vision_ckpt.wrapper import flops_per_output
+    from vision_ckpt._selective import flops_per_output
 
     conv = torch.ops.aten.convolution.default
     x = torch.empty(1, 64, 8, 8)
@@ -303,22 +289,14 @@ class _SeededThenRandom(nn.Module):
         return x + self.fc2(h) * keep
 
 
-def test_a_seeded_operator_named_in_save_ops_is_recomputed(assert_exact) -> None:
+def test_a_seeded_operator_named_in_save_ops_is_recomputed(assert_exact, exact_step) -> None:
     """NOTE [ Random operators are recomputed ]: save_ops names aten.native_dropout, yet its
     output is not kept, so the recomputation draws what the forward drew and the gradients equal
     the plain model's exactly (keeping it would shift the dropout and drop-path masks after it)."""
     torch.manual_seed(0)
     model = nn.Sequential(_SeededThenRandom(), _SeededThenRandom()).train()
-    x = torch.randn(6, 8, requires_grad=True)
-
-    def step(net: nn.Module) -> tuple:
-        net.zero_grad(set_to_none=True)
-        x.grad = None
-        torch.manual_seed(7)
-        net(x).square().sum().backward()
-        return [p.grad.clone() for p in net.parameters()], x.grad.clone()
-
-    reference = step(model)
+    x = torch.randn(6, 8)
+    reference = exact_step(model, x)
     vision_ckpt.apply(
         model,
         {
@@ -327,8 +305,8 @@ def test_a_seeded_operator_named_in_save_ops_is_recomputed(assert_exact) -> None
             "selective": {"save_ops": ["aten.native_dropout", "aten.addmm"]},
         },
     )
-    assert_exact(step(model), reference)
-    from vision_ckpt.wrapper import SaveOps
+    assert_exact(exact_step(model, x), reference)
+    from vision_ckpt._selective import SaveOps
 
     keep = SaveOps(["aten.native_dropout", "aten.addmm"])
     op = torch.ops.aten.native_dropout.default
@@ -360,7 +338,9 @@ def test_a_kept_output_written_in_place_under_fake_tensors() -> None:
         assert model[0].weight.grad.shape == (16, 8)
 
 
-def test_offload_is_a_full_region_that_does_nothing_on_cpu_and_says_so(assert_exact) -> None:
+def test_offload_is_a_full_region_that_does_nothing_on_cpu_and_says_so(
+    assert_exact, exact_step
+) -> None:
     """strategy 'offload' (NOTE [ Offloaded inputs ]): on CPU the region keeps its inputs as a
     full one does (the gradients are the plain model's), and the plan says that offload does
     nothing here and is not applied under torch.compile."""
@@ -380,14 +360,8 @@ def test_offload_is_a_full_region_that_does_nothing_on_cpu_and_says_so(assert_ex
     assert plan.offloaded == (entry,) and plan.not_compiled == ("0 (offload)",)
     assert "on CUDA only: on cpu this does nothing" in str(plan)
     assert plan.at_level(1).offloaded == ()
-    x = torch.randn(5, 8, requires_grad=True)
-    results = []
-    for net in (plain, model):
-        torch.manual_seed(3)
-        net(x).square().sum().backward()
-        results.append([p.grad.clone() for p in net.parameters()] + [x.grad.clone()])
-        x.grad = None
-    assert_exact(results[1], results[0])
+    x = torch.randn(5, 8)
+    assert_exact(exact_step(model, x), exact_step(plain, x))
 
 
 def test_offload_takes_no_segments_or_through() -> None:

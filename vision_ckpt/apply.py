@@ -27,15 +27,14 @@ from torch import nn
 
 from ._install import install, install_chain, uninstall
 from ._lean import lean_mlp_problem
+from ._selective import HEAVY_OPS, SaveOps
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
 from .levels import Level, is_checkpointed, is_group, parse_level
 from .matching import ModuleMatcher, later_siblings, qualified_class_name
 from .wrapper import (
-    HEAVY_OPS,
     Policy,
     Rung,
-    SaveOps,
     get_training_level,
     rung_within,
     segment_size,
