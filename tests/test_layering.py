@@ -28,7 +28,8 @@ LAYERS: list[set[str]] = [
     # errors; _optimise: none
     {"_core", "_lean", "config"},  # _core -> errors; _lean: torch only; config -> errors, levels,
     # matching (no torch)
-    {"_selective"},  # the selective operator policy -> _core
+    {"_selective", "_fallback", "_features"},  # the selective operator policy -> _core; the
+    # structural fallback and timm feature wrappers -> config, matching, levels
     {"wrapper", "presets"},  # wrapper -> _core, levels; presets -> config, matching
     {"_install"},  # the install layer of issue 9: what apply puts on a model and takes off
     {"apply"},  # -> wrapper, presets, config, matching

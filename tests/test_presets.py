@@ -16,7 +16,7 @@ import torch
 import torchvision.models as tvm
 from torch import nn
 
-from vision_ckpt import ConfigError, PresetMismatchWarning, presets
+from vision_ckpt import ConfigError, PresetMismatchWarning, _fallback, presets
 from vision_ckpt.apply import CheckpointPlan, plan
 from vision_ckpt.config import CheckpointConfig, LevelRule, PresetFile
 from vision_ckpt.matching import ModuleMatcher
@@ -564,9 +564,9 @@ def test_fallback_with_coarse_equal_to_fine_has_no_stages() -> None:
 
 def test_fallback_skips_units_that_start_in_place() -> None:
     unit = nn.Sequential(nn.ReLU(inplace=True), nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2))
-    assert not presets._is_unit(unit)
-    assert presets._is_unit(nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2), nn.ReLU(True)))
-    assert not presets._is_unit(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.ReLU()))
+    assert not _fallback._is_unit(unit)
+    assert _fallback._is_unit(nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2), nn.ReLU(True)))
+    assert not _fallback._is_unit(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.ReLU()))
 
 
 def test_fallback_with_nothing_to_do_is_an_error() -> None:

@@ -7,8 +7,10 @@ family, what each level checkpoints. This module
 - finds and loads them (:func:`list_presets`, :func:`load_preset`),
 - picks the preset of a model (:func:`preset_for_model`),
 - turns a preset into the rules for one model (:func:`preset_rules`), which is what
-  ``plan()`` calls when a config has ``preset:``,
-- derives levels from the structure of a model that has no preset (:func:`fallback_rules`).
+  ``plan()`` calls when a config has ``preset:`` (a timm feature wrapper gets its
+  architecture's rules rewritten to its names: NOTE [ timm feature wrappers ] in ``_features``),
+- gives a model that has no preset the levels of the structural fallback
+  (:func:`fallback_rules`, from ``_fallback``: NOTE [ Fallback levels ]).
 
 # NOTE [ Resolving a model to its preset ]
 
@@ -26,22 +28,6 @@ apart) and, optionally, an ``fnmatch`` pattern on timm's architecture name
    without, and among patterns the one with more literal characters wins. Two presets whose
    best selectors are equally specific are a tie, which is an error, never a guess.
 
-# NOTE [ timm feature wrappers ]
-
-``timm.create_model(name, features_only=True)`` (what smp's ``tu-`` encoders hold) returns a
-wrapper that no preset names (``FeatureListNet``, ``EfficientNetFeatures``, ...), marked by a
-``feature_info`` that is a ``FeatureInfo`` rather than a list. Its architecture is still in its
-``pretrained_cfg``, so the model it came from is built once per architecture on the meta device
-(no memory, no weights) and the wrapper resolves to that model's preset. ``FeatureListNet``
-lifts the children of a top-level ``Sequential`` ``a`` to its own level as ``a_b``; every
-other name is the original one. A rule is evaluated on the wrapper's modules under their
-original names (the wrapper itself standing for the original model), so it selects exactly
-the modules it would select in the original, minus what the wrapper dropped (the head, the
-lifted containers). It is kept as written when it selects the same modules under the wrapper's
-own names, rewritten for lifted names (``stages.*.blocks.*`` -> ``stages_*.blocks.*``) when
-that selects them, and otherwise replaced by the exact list of names; the origin says
-``(timm features)``.
-
 # NOTE [ Preset rules that select nothing ]
 
 A family's preset is written for all its members, and members differ: ResNet-D has a ``conv1``
@@ -57,27 +43,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
-import functools
 import importlib.metadata
 import re
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn as nn
-
+from ._fallback import fallback_rules
+from ._features import selecting, timm_architecture, timm_original, wrapper_rules
 from .config import CheckpointConfig, LevelRule, PresetFamily, PresetFile
 from .errors import ConfigError, PresetMismatchWarning
-from .levels import Level
-from .matching import (
-    ModuleMatcher,
-    compile_type_pattern,
-    exact_name_pattern,
-    later_siblings,
-    qualified_class_name,
-)
+from .matching import compile_type_pattern
 
 __all__ = [
     "list_presets",
@@ -89,9 +66,6 @@ __all__ = [
     "fallback_rules",
     "presets_dir",
 ]
-
-FALLBACK_ORIGIN = "fallback"
-"""The origin label of every rule that :func:`fallback_rules` derives."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,14 +299,6 @@ def _check_preset_config(
 # --------------------------------------------------------------------------------------------
 
 
-def _architecture(model: Any) -> str | None:
-    for attr in ("pretrained_cfg", "default_cfg"):
-        cfg = getattr(model, attr, None)
-        if isinstance(cfg, dict) and cfg.get("architecture"):
-            return str(cfg["architecture"])
-    return None
-
-
 def preset_for_model(model: Any) -> str | None:
     """The name of the preset for ``model``, or ``None`` when no preset knows its class.
 
@@ -349,7 +315,7 @@ def preset_for_model(model: Any) -> str | None:
     >>> preset_for_model(torch.nn.Linear(2, 2)) is None
     True
     """
-    arch = _architecture(model)
+    arch = timm_architecture(model)
     for cls in type(model).__mro__:
         if cls is object:
             break
@@ -375,28 +341,8 @@ def preset_for_model(model: Any) -> str | None:
                 "architecture pattern."
             )
         return winners[0]
-    original = _timm_original(model)
+    original = timm_original(model)
     return preset_for_model(original) if original is not None else None
-
-
-def _timm_original(model: Any) -> nn.Module | None:
-    """For a timm feature wrapper, the model it was built from (on the meta device); else
-    ``None``. See NOTE [ timm feature wrappers ]."""
-    if type(getattr(model, "feature_info", None)).__name__ != "FeatureInfo":
-        return None
-    arch = _architecture(model)
-    return _meta_model(arch) if arch is not None else None
-
-
-@functools.lru_cache(maxsize=32)
-def _meta_model(architecture: str) -> nn.Module | None:
-    import timm
-
-    try:
-        with torch.device("meta"):
-            return timm.create_model(architecture, pretrained=False)
-    except Exception:  # an architecture timm cannot build bare: the wrapper takes the fallback
-        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,20 +354,8 @@ def _named_modules(model: Any) -> list[tuple[str, Any]]:
     return list(model.named_modules())
 
 
-def _selecting(rule: LevelRule, modules: list[tuple[str, Any]]) -> Iterator[str]:
-    """The names of the modules ``rule`` selects, lazily."""
-    matcher = ModuleMatcher(rule.match, rule.match_type)
-    root = modules[0][1]  # named_modules() starts with ("", the model)
-    for name, module in modules:
-        if matcher.matches(name, type(module).__name__, qualified_class_name(module)) and (
-            # A run that this model lacks: see NOTE [ A preset's runs ] in apply.py.
-            rule.through is None or rule.through in later_siblings(root, name)
-        ):
-            yield name
-
-
 def _selects_any(rule: LevelRule, modules: list[tuple[str, Any]]) -> bool:
-    return any(True for _ in _selecting(rule, modules))
+    return any(True for _ in selecting(rule, modules))
 
 
 def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
@@ -469,12 +403,12 @@ def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
             for rule, origin in preset_rules(submodule, part_preset)
         ]
     modules = _named_modules(model)
-    original = _timm_original(model)
+    original = timm_original(model)
     if original is None:
         own = [(i, rule) for i, rule in enumerate(config.rules) if _selects_any(rule, modules)]
         out += [(rule, f"preset {name} #{i}") for i, rule in own]
     else:
-        own = _wrapper_rules(config.rules, modules, original)
+        own = wrapper_rules(config.rules, modules, original)
         out += [(rule, f"preset {name} #{i} (timm features)") for i, rule in own]
     if not out:
         children = ", ".join(n for n, _ in model.named_children()) or "(none)"
@@ -490,92 +424,6 @@ def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
         )
     _warn_lost_levels(name, config, {i for i, _ in own}, family, type(model).__name__)
     return out
-
-
-def _wrapper_rules(
-    rules: Iterable[LevelRule], modules: list[tuple[str, Any]], original: nn.Module
-) -> list[tuple[int, LevelRule]]:
-    """The rules of the original model's preset, made to select in a timm feature wrapper what
-    they select in the original (NOTE [ timm feature wrappers ]), with their indices."""
-    wrapper = modules[0][1]
-    lifted = {
-        f"{name}_{child}": f"{name}.{child}"
-        for name, container in original.named_children()
-        if isinstance(container, nn.Sequential)
-        for child, _ in container.named_children()
-        if f"{name}_{child}" in wrapper._modules and f"{name}_{child}" not in original._modules
-    }
-
-    def original_name(name: str) -> str:
-        head, dot, rest = name.partition(".")
-        return lifted[head] + dot + rest if head in lifted else name
-
-    out = []
-    for i, rule in enumerate(rules):
-        matcher = ModuleMatcher(rule.match, rule.match_type)
-        wanted = [
-            name
-            for name, module in modules
-            if matcher.matches(
-                original_name(name),
-                type(original if not name else module).__name__,
-                qualified_class_name(original if not name else module),
-            )
-            # a run the original model lacks (NOTE [ A preset's runs ] in apply.py)
-            and (
-                rule.through is None
-                or rule.through in later_siblings(original, original_name(name))
-            )
-        ]
-        if not wanted:
-            continue
-        if rule.through is not None and len(wanted) == 1:
-            rule = _run_in_wrapper(rule, wanted[0], original_name(wanted[0]), original, wrapper)
-        for candidate in (rule, _lifted_rule(rule, {n.partition(".")[0] for n in lifted.values()})):
-            if candidate is not None and list(_selecting(candidate, modules)) == wanted:
-                out.append((i, candidate))
-                break
-        else:
-            exact = [exact_name_pattern(n) for n in wanted]
-            match = exact[0] if len(exact) == 1 else "re:" + "|".join(map(re.escape, wanted))
-            out.append((i, rule.model_copy(update={"match": match, "match_type": None})))
-    return out
-
-
-def _run_in_wrapper(
-    rule: LevelRule, name: str, original_name: str, original: nn.Module, wrapper: nn.Module
-) -> LevelRule:
-    """``rule``, a run from ``original_name`` through ``rule.through`` in the original model,
-    ending at its last member the wrapper kept, under the wrapper's names (a lifted run's last
-    member was lifted with it: ``features_pool0``); a run cut to its first module is that
-    module alone. A wrapper truncated by ``out_indices`` may drop the end of a stem."""
-    parent, _, own = original_name.rpartition(".")
-    siblings = list(original.get_submodule(parent)._modules)
-    start = siblings.index(own)
-    if rule.through not in siblings[start + 1 :]:
-        return rule  # not a run of this model: plan() says so
-    run = siblings[start : siblings.index(rule.through) + 1]
-    wrapper_parent, _, wrapper_own = name.rpartition(".")
-    prefix = wrapper_own[: len(wrapper_own) - len(own)]  # "features_" when lifted
-    present = set(wrapper.get_submodule(wrapper_parent)._modules)
-    kept = []
-    for member in run:
-        if prefix + member not in present:
-            break
-        kept.append(prefix + member)
-    return rule.model_copy(update={"through": kept[-1] if len(kept) > 1 else None})
-
-
-def _lifted_rule(rule: LevelRule, containers: set[str]) -> LevelRule | None:
-    """``rule`` with its first two name components joined when the first is a lifted
-    container (``stages.*.blocks.*`` -> ``stages_*.blocks.*``), else ``None``."""
-    if rule.match is None or rule.match.startswith("re:"):
-        return None
-    head, _, rest = rule.match.partition(".")
-    if head not in containers or not rest or rest.startswith("**"):
-        return None
-    second, dot, tail = rest.partition(".")
-    return rule.model_copy(update={"match": f"{head}_{second}{dot}{tail}"})
 
 
 def _under(part: str, rule: LevelRule) -> LevelRule:
@@ -658,268 +506,3 @@ def _warn_lost_levels(
         PresetMismatchWarning,
         stacklevel=3,
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Fallback: levels from structure
-# --------------------------------------------------------------------------------------------
-
-# NOTE [ Fallback levels ]
-#
-# Blocks and stages come from timm's group_matcher where the model has one, else from the
-# structure: composite modules held in Sequential/ModuleList containers whose class occurs at
-# least twice in the model (repeated blocks; counted over the whole model so that a stage of
-# depth 1 still counts). The innermost such modules are blocks (3); a module holding blocks
-# that is itself one of a repeated set, or the callable parent of a block container, is a stage
-# (4); the nearest callable common ancestor of all blocks, below the root, is the trunk (5);
-# when there is none (blocks iterated from a ModuleList by the model's own forward, stages that
-# are direct children of the model), the model itself is level 5.
-# Inside blocks, composite children with two or more weight layers are sub-blocks (2: attention,
-# MLP, conv branches). Anywhere in the model, a composite module made only of leaf layers with
-# at most one weight layer and at least one norm or activation is a unit (1: conv+norm+act,
-# norm+act): a lone Linear or Conv is never one, since its input is kept anyway. A unit whose
-# first layer is an in-place activation is skipped (it would overwrite the input the
-# checkpoint needs to recompute from).
-
-_NORM_OR_ACT = re.compile(
-    r"(Norm|ReLU|GELU|SiLU|Swish|Mish|Hardswish|Hardsigmoid|Sigmoid|Tanh|ELU|Softplus|Act)"
-)
-_WEIGHT_LAYER = re.compile(r"(Conv|Linear)")
-_INERT = ("Identity", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "DropPath")
-
-
-def _is_container(module: Any) -> bool:
-    return isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
-
-
-def _callable(module: Any) -> bool:
-    """Whether the module has a forward of its own (ModuleList/ModuleDict do not)."""
-    return type(module).forward is not nn.Module.forward
-
-
-def _is_composite(module: Any) -> bool:
-    return any(True for _ in module.children())
-
-
-def _has_params(module: Any) -> bool:
-    return any(True for _ in module.parameters())
-
-
-def _parent(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
-def _weight_layers(module: Any) -> int:
-    return sum(
-        1
-        for m in module.modules()
-        if _WEIGHT_LAYER.search(type(m).__name__) and any(True for _ in m.parameters(recurse=False))
-    )
-
-
-def _is_unit(module: Any) -> bool:
-    """A layer with its norm/activation: one weight layer at most, two meaningful parts at least.
-
-    ``Sequential(conv, bn, act)``, timm's ``ConvNormAct`` and ``BatchNormAct2d`` (a norm with an
-    activation child), a patch-merging ``norm`` + ``reduction``. Not a lone layer, not an MLP
-    (two weight layers), and not a unit whose first operation is an in-place activation.
-    """
-    if not _is_composite(module) or not _callable(module) or not _has_params(module):
-        return False
-    if _weight_layers(module) > 1:
-        return False
-    parts = [
-        m
-        for m in module.modules()
-        if type(m).__name__ not in _INERT
-        and (
-            any(True for _ in m.parameters(recurse=False))
-            or (not _is_composite(m) and _NORM_OR_ACT.search(type(m).__name__))
-        )
-    ]
-    if len(parts) < 2 or not any(_NORM_OR_ACT.search(type(m).__name__) for m in parts):
-        return False
-    if any(True for _ in module.parameters(recurse=False)):
-        return True  # the module's own op (a norm) runs first
-    first = next((m for m in module.modules() if not _is_composite(m)), None)
-    return not getattr(first, "inplace", False)
-
-
-def _is_sub_block(module: Any) -> bool:
-    """An attention/MLP/conv branch of a block: callable, two weight layers or more."""
-    return _callable(module) and _is_composite(module) and _weight_layers(module) >= 2
-
-
-def _matcher_roots(
-    modules: list[tuple[str, Any]], specs: list[tuple[re.Pattern[str], bool]]
-) -> list[str]:
-    """Outermost modules with parameters whose name an (unmerged) group regex matches."""
-    keys: dict[str, tuple[int, tuple[str | None, ...]] | None] = {}
-    roots: list[str] = []
-    for name, module in modules:
-        key = None
-        for index, (regex, merged) in enumerate(specs):
-            m = regex.match(name)
-            if m is not None:
-                key = None if merged else (index, m.groups())
-                break
-        keys[name] = key
-        if key is None or not name or not _has_params(module) or not _callable(module):
-            continue
-        if keys.get(_parent(name)) != key or not _parent(name):
-            if not any(name.startswith(r + ".") for r in roots):
-                roots.append(name)
-    return roots
-
-
-def _group_specs(matcher: Any) -> list[tuple[re.Pattern[str], bool]] | None:
-    """The block regexes of a timm group_matcher dict; ``None`` when it cannot be read."""
-    if not isinstance(matcher, dict):
-        return None
-    specs: list[tuple[re.Pattern[str], bool]] = []
-    for key, spec in matcher.items():
-        if key == "stem" or spec is None:
-            continue
-        entries = spec if isinstance(spec, (list, tuple)) else [(spec, None)]
-        for entry in entries:
-            if not isinstance(entry, (list, tuple)) or not entry or not isinstance(entry[0], str):
-                return None
-            # timm's MATCH_PREV_GROUP suffix (99999,) merges a match into the group before it
-            # (the final norm after the last block): not a group of its own.
-            suffix = entry[1] if len(entry) > 1 else None
-            merged = isinstance(suffix, (tuple, list)) and tuple(suffix) == (99999,)
-            try:
-                specs.append((re.compile(entry[0]), merged))
-            except re.error:
-                return None
-    return specs or None
-
-
-def _timm_groups(model: Any, modules: list[tuple[str, Any]]) -> tuple[list[str], list[str]] | None:
-    """Blocks (fine groups) and stages (coarse groups) from timm's ``group_matcher``."""
-    group_matcher = getattr(model, "group_matcher", None)
-    if not callable(group_matcher):
-        return None
-    try:
-        fine = _group_specs(group_matcher(coarse=False))
-        coarse = _group_specs(group_matcher(coarse=True))
-    except Exception:  # a third-party group_matcher may fail in any way; use the structure
-        return None
-    if fine is None:
-        return None
-    blocks = _matcher_roots(modules, fine)
-    stages = [s for s in _matcher_roots(modules, coarse or []) if s not in blocks]
-    # A coarse group is a stage only if it holds blocks.
-    stages = [s for s in stages if any(b.startswith(s + ".") for b in blocks)]
-    if not blocks:
-        return None
-    return blocks, stages
-
-
-def _structural_groups(modules: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
-    """Blocks and stages from repeated composite children of Sequential/ModuleList containers."""
-    by_name = dict(modules)
-    counts: dict[type, int] = {}
-    for _, module in modules:
-        counts[type(module)] = counts.get(type(module), 0) + 1
-    candidates = [
-        name
-        for name, module in modules
-        if name
-        and _is_container(by_name[_parent(name)])
-        and _callable(module)
-        and _is_composite(module)
-        and _has_params(module)
-        and counts[type(module)] >= 2
-        and not _is_unit(module)
-    ]
-    # The innermost repeated modules are the blocks; repeated modules holding blocks (a
-    # Sequential of stages) and the callable holders of block containers are stages.
-    blocks = [c for c in candidates if not any(o.startswith(c + ".") for o in candidates)]
-    stages = [c for c in candidates if c not in blocks]
-    for block in blocks:
-        container = _parent(block)
-        holder = container if _callable(by_name[container]) else _parent(container)
-        if holder and holder not in stages:
-            stages.append(holder)
-    return blocks, stages
-
-
-def _trunk(blocks: list[str], by_name: dict[str, Any]) -> str | None:
-    """The nearest callable common ancestor of all blocks, below the root."""
-    if not blocks:
-        return None
-    common = blocks[0].split(".")
-    for b in blocks[1:]:
-        parts = b.split(".")
-        n = 0
-        while n < min(len(common), len(parts)) and common[n] == parts[n]:
-            n += 1
-        common = common[:n]
-    name = ".".join(common)
-    if name in blocks:
-        name = _parent(name)
-    while name and not _callable(by_name[name]):
-        name = _parent(name)
-    return name or None
-
-
-def fallback_rules(model: Any) -> list[tuple[LevelRule, str]]:
-    """Levels for a model without a preset, derived from its structure.
-
-    Stages and blocks come from timm's ``group_matcher`` where the model has one, else from
-    repeated sibling blocks in ``Sequential``/``ModuleList`` containers; see NOTE [ Fallback
-    levels ] in the source. Every rule names one module exactly (a ``re:`` rule where the name
-    has characters a glob cannot hold), and every rule's origin is ``"fallback"``.
-
-    Returns:
-        ``(rule, "fallback")`` pairs, one per module given a level, in ``named_modules()`` order.
-
-    Raises:
-        ConfigError: nothing in the model has a structure the fallback recognises (no repeated
-            blocks, no layer with a norm or activation); write rules for it.
-
-    >>> import torch.nn as nn
-    >>> block = lambda: nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
-    >>> net = nn.Sequential(nn.Linear(4, 4), nn.Sequential(block(), block()))
-    >>> [(r.match, int(r.level)) for r, _ in fallback_rules(net)]
-    [('1', 5), ('1.0', 3), ('1.1', 3)]
-    """
-    modules = _named_modules(model)
-    by_name = dict(modules)
-    groups = _timm_groups(model, modules)
-    blocks, stages = groups if groups is not None else _structural_groups(modules)
-    levels: dict[str, int] = {}
-    units: list[str] = []
-    for name, module in modules:
-        if name and not any(name.startswith(u + ".") for u in units) and _is_unit(module):
-            units.append(name)
-            levels[name] = int(Level.SINGLE_LAYER)
-    for block in blocks:
-        for name, module in modules:
-            if _parent(name) == block and _is_sub_block(module):
-                levels[name] = int(Level.SMALL_BLOCK)
-    trunk = _trunk(blocks, by_name)
-    for block in blocks:
-        if block not in units:  # timm groups a patch-merging layer as a block of its own
-            levels[block] = int(Level.MEDIUM_MODULE)
-    for stage in stages:
-        if stage != trunk and _callable(by_name[stage]):
-            levels[stage] = int(Level.LARGE_MODULE)
-    if trunk is not None and trunk not in blocks:
-        levels[trunk] = int(Level.VERY_LARGE_MODULE)
-    elif blocks:
-        levels[""] = int(Level.VERY_LARGE_MODULE)  # no trunk module: the whole model
-    if not levels:
-        children = ", ".join(n for n, _ in model.named_children()) or "(none)"
-        raise ConfigError(
-            f"the fallback found nothing to checkpoint in {type(model).__name__} (top-level "
-            f"children: {children}): no repeated blocks in Sequential/ModuleList containers, "
-            "no timm group_matcher and no layer with a norm or activation. Write rules for it "
-            "(rules: - match: '<module name>' level: 3)."
-        )
-    return [
-        (LevelRule(match=exact_name_pattern(name), level=levels[name]), FALLBACK_ORIGIN)
-        for name, _ in modules
-        if name in levels
-    ]
