@@ -426,63 +426,10 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
     vision_ckpt.errors.ConfigError: rules[0] (match='blocks.*' level=3) selects no module of ...
     """
     cfg = as_config(config)
-    if cfg.training_checkpoint_level == "auto":
-        raise ConfigError(
-            f"training_checkpoint_level 'auto' (memory_budget {cfg.memory_budget!r}) cannot be "
-            "applied directly: plan it first with vision_ckpt.profile.resolve_auto(model, "
-            "example_input, config), which returns the fastest per-block config that fits, "
-            "and apply that; or give a level 0-5."
-        )
-    save_ops = None
-    if cfg.selective is not None:
-        save_ops = cfg.selective.save_ops
-        SaveOps(save_ops).resolve()  # unknown op names fail here, before anything runs
-
+    save_ops = _checked_save_ops(cfg)
     modules = [(n, m) for n, m in model.named_modules()]
     class_names = {n: (type(m).__name__, qualified_class_name(m)) for n, m in modules}
-
-    ordered: list[tuple[LevelRule, str, bool]] = []  # rule, origin, must match something
-    if cfg.preset is not None:
-        ordered += [(rule, origin, False) for rule, origin in _preset_rules(model, cfg.preset)]
-    ordered += [(rule, f"rules[{i}]", True) for i, rule in enumerate(cfg.rules)]
-
-    # Per module, per way of checkpointing it (strategy and options): the last rule that set
-    # it. A later rule at the same level replaces any other; a rule of level 0 clears them all.
-    decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]] = {}
-    for rule, origin, required in ordered:
-        matcher = ModuleMatcher(rule.match, rule.match_type)
-        hits = [n for n, m in modules if matcher.matches(n, *class_names[n])]
-        callable_hits = [n for n in hits if _has_forward(model.get_submodule(n))]
-        stacks = [
-            n
-            for n in hits
-            if rule.segments is not None and isinstance(model.get_submodule(n), nn.ModuleList)
-        ]
-        if required and not callable_hits and not stacks:
-            _no_match(model, modules, rule, origin, hits, strict=cfg.strict)
-        if rule.segments is not None:
-            _check_segments(model, rule, origin, callable_hits)
-        for name in stacks:  # NOTE [ Groups of a ModuleList ]
-            for first, group_rule in _group_runs(model, name, rule):
-                ways = decided.get(first, {}).values()
-                if group_rule.through is None and any(  # a group of one region already
-                    r.strategy == "full" and r.through is None and 0 < r.level < rule.level
-                    for r, _ in ways
-                ):
-                    continue
-                _add_way(decided, first, group_rule, origin)
-        if rule.strategy == "lean":
-            callable_hits = _lean_hits(model, rule, origin, callable_hits, required)
-        if rule.through is not None:
-            if not required:  # see NOTE [ A preset's runs ]
-                callable_hits = [
-                    n for n in callable_hits if rule.through in later_siblings(model, n)
-                ]
-            for name in callable_hits:
-                run_members(model, name, rule.through, f"{origin} ({rule})")
-        for name in callable_hits:
-            _add_way(decided, name, rule, origin)
-
+    decided = _ways(model, cfg, modules, class_names)
     _check_runs(model, decided)
     _check_lean(decided)
     pinned = cfg.training_checkpoint_level
@@ -507,8 +454,85 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
     )
 
 
+def _checked_save_ops(cfg: CheckpointConfig) -> tuple[str, ...] | None:
+    """The config's ``selective.save_ops``, checked before anything is planned: a training
+    level that can be planned, and operator names that are torch ops."""
+    if cfg.training_checkpoint_level == "auto":
+        raise ConfigError(
+            f"training_checkpoint_level 'auto' (memory_budget {cfg.memory_budget!r}) cannot be "
+            "applied directly: plan it first with vision_ckpt.profile.resolve_auto(model, "
+            "example_input, config), which returns the fastest per-block config that fits, "
+            "and apply that; or give a level 0-5."
+        )
+    save_ops = None
+    if cfg.selective is not None:
+        save_ops = cfg.selective.save_ops
+        SaveOps(save_ops).resolve()  # unknown op names fail here, before anything runs
+    return save_ops
+
+
+_Ways = dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]
+"""Per module, per way of checkpointing it (strategy and options): the last rule that set it,
+and where that rule came from."""
+
+
+def _ways(
+    model: nn.Module,
+    cfg: CheckpointConfig,
+    modules: list[tuple[str, nn.Module]],
+    class_names: dict[str, tuple[str, str]],
+) -> _Ways:
+    """The ways the rules (the preset's, then the config's) checkpoint each module. A later rule
+    at the same level replaces any other; a rule of level 0 clears them all."""
+    ordered: list[tuple[LevelRule, str, bool]] = []  # rule, origin, must match something
+    if cfg.preset is not None:
+        ordered += [(rule, origin, False) for rule, origin in _preset_rules(model, cfg.preset)]
+    ordered += [(rule, f"rules[{i}]", True) for i, rule in enumerate(cfg.rules)]
+
+    decided: _Ways = {}
+    for rule, origin, required in ordered:
+        matcher = ModuleMatcher(rule.match, rule.match_type)
+        hits = [n for n, m in modules if matcher.matches(n, *class_names[n])]
+        callable_hits = [n for n in hits if _has_forward(model.get_submodule(n))]
+        stacks = [
+            n
+            for n in hits
+            if rule.segments is not None and isinstance(model.get_submodule(n), nn.ModuleList)
+        ]
+        if required and not callable_hits and not stacks:
+            _no_match(model, modules, rule, origin, hits, strict=cfg.strict)
+        if rule.segments is not None:
+            _check_segments(model, rule, origin, callable_hits)
+        for name in stacks:  # NOTE [ Groups of a ModuleList ]
+            _add_groups(decided, model, name, rule, origin)
+        if rule.strategy == "lean":
+            callable_hits = _lean_hits(model, rule, origin, callable_hits, required)
+        if rule.through is not None:
+            if not required:  # see NOTE [ A preset's runs ]
+                callable_hits = [
+                    n for n in callable_hits if rule.through in later_siblings(model, n)
+                ]
+            for name in callable_hits:
+                run_members(model, name, rule.through, f"{origin} ({rule})")
+        for name in callable_hits:
+            _add_way(decided, name, rule, origin)
+    return decided
+
+
+def _add_groups(decided: _Ways, model: nn.Module, name: str, rule: LevelRule, origin: str) -> None:
+    """Record the runs ``rule`` (``segments``) makes of the ``ModuleList`` ``name``
+    (NOTE [ Groups of a ModuleList ])."""
+    for first, group_rule in _group_runs(model, name, rule):
+        ways = decided.get(first, {}).values()
+        if group_rule.through is None and any(  # a group of one region already
+            r.strategy == "full" and r.through is None and 0 < r.level < rule.level for r, _ in ways
+        ):
+            continue
+        _add_way(decided, first, group_rule, origin)
+
+
 def _add_way(
-    decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]],
+    decided: _Ways,
     name: str,
     rule: LevelRule,
     origin: str,
@@ -741,9 +765,7 @@ def run_members(model: nn.Module, name: str, through: str, origin: str) -> list[
     return [prefix + c for c in [own, *later[: later.index(through) + 1]]]
 
 
-def _check_runs(
-    model: nn.Module, decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]
-) -> None:
+def _check_runs(model: nn.Module, decided: _Ways) -> None:
     """A module is the first of at most one run, no member of a run is lean (a run calls its
     members' own forwards), and a later member of a run has no level of its own from the run's
     level on (its forward belongs to the run there) and neither a run nor segments below it
@@ -818,7 +840,7 @@ def _lean_hits(
     return kept
 
 
-def _check_lean(decided: dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]) -> None:
+def _check_lean(decided: _Ways) -> None:
     """A lean module's forward calls none of its children's: none may have a rule (a lean
     member of a run: ``_check_runs``)."""
     lean = {n: ways for n, ways in decided.items() if any(k[0] == "lean" for k in ways)}
