@@ -2,6 +2,9 @@
 
 - ``assert_exact(actual, expected)``: bit-exact comparison of tensors inside any nesting of
   lists, tuples and dicts (other leaves compared with ``==``).
+- ``exact_step(model, x, *, seed=0, loss=None)``: the exactness oracle's training step; its
+  result, compared with ``assert_exact`` against the same model without checkpointing, checks the
+  output, the input gradient, every parameter gradient and every buffer bit for bit.
 - ``saved_bytes``: the library's ``count_saved_bytes``, a context manager that counts the bytes
   autograd packs for backward while it is active (each storage counted once).
 - ``op_counter``: a context manager class that counts the aten ops dispatched while it is active.
@@ -15,6 +18,7 @@ Torch runs on one thread here: see the repository's top-level ``conftest.py``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -49,6 +53,59 @@ def _assert_exact(actual: Any, expected: Any, where: str = "value") -> None:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def _float_leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _float_leaves(v)]
+    return []
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """``square().mean() + sum()`` over every floating tensor of the output, in float32: each
+    element gets its own gradient, ``1 + 2 * element / numel``."""
+    leaves = [t.float() for t in _float_leaves(out)]
+    assert leaves, f"no floating tensor in the model's output of type {type(out).__name__}"
+    return sum(t.square().mean() + t.sum() for t in leaves)
+
+
+def _exact_step(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    *,
+    seed: int = 0,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    # NOTE: the step starts with no gradients (``zero_grad(set_to_none=True)``), so stepping the
+    # same model twice compares each step's gradients, never a sum over steps; ``x`` is copied
+    # to a fresh leaf (floating inputs require grad), so the caller's tensor is never changed.
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(x.is_floating_point())
+    torch.manual_seed(seed)  # dropout and drop-path draw the same masks in every run
+    out = model(x)
+    (loss or default_loss)(out).backward()
+    return {
+        "out": _detached(out),
+        "x_grad": x.grad,
+        "grads": {
+            n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+        },
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+    }
+
+
 class OpCounter(TorchDispatchMode):
     """Count aten ops by packet name (``"mm"``, ``"sin"``...): ``with OpCounter() as c: ...``."""
 
@@ -65,6 +122,16 @@ class OpCounter(TorchDispatchMode):
 def assert_exact():
     """The bit-exact nested comparison (see the module docstring)."""
     return _assert_exact
+
+
+@pytest.fixture
+def exact_step():
+    """The exactness oracle's step: ``exact_step(model, x, seed=0, loss=None)`` clears the
+    gradients, seeds torch, runs ``model`` on a copy of ``x`` and backward of ``loss(out)``
+    (:func:`default_loss` unless given), and returns ``{"out", "x_grad", "grads", "buffers"}``
+    (gradients and buffers by name, cloned). ``assert_exact(step(m, x), step(plain, x))`` is
+    the oracle."""
+    return _exact_step
 
 
 @pytest.fixture

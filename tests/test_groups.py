@@ -55,16 +55,11 @@ class ListNet(nn.Module):
         return self.head(x)
 
 
-def _step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-    torch.manual_seed(0)
-    out = model(x)
-    out.square().sum().backward()
-    return {"out": out.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
-
-
 @pytest.mark.parametrize("positional", [False, True])
 @pytest.mark.parametrize("level", [3, 4])
-def test_groups_are_exact_with_dropout(assert_exact, level: int, positional: bool) -> None:
+def test_groups_are_exact_with_dropout(
+    assert_exact, exact_step, level: int, positional: bool
+) -> None:
     torch.manual_seed(0)
     plain = ListNet(positional=positional)
     model = copy.deepcopy(plain)
@@ -73,7 +68,7 @@ def test_groups_are_exact_with_dropout(assert_exact, level: int, positional: boo
     x = torch.randn(4, 6, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert_exact(_step(model, x), _step(plain, x))
+        assert_exact(exact_step(model, x), exact_step(plain, x))
 
 
 def test_groups_keep_their_inputs_and_recompute_their_layers_again(saved_bytes, op_counter) -> None:
@@ -122,15 +117,17 @@ def test_plan_lists_each_group_as_a_run_and_apply_changes_no_name() -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-def test_a_parent_that_works_between_layers_ends_the_group_exactly(assert_exact) -> None:
+def test_a_parent_that_works_between_layers_ends_the_group_exactly(
+    assert_exact, exact_step
+) -> None:
     torch.manual_seed(0)
     plain = ListNet(between=True)
     model = copy.deepcopy(plain)
     vision_ckpt.apply(model, {"training_checkpoint_level": 4, "rules": [LAYERS, GROUPS]})
     x = torch.randn(2, 6, 8)
-    ref = _step(plain, x)
+    ref = exact_step(plain, x)
     with pytest.warns(UserWarning, match=r"run 'layers.0..1' .* ended after 'layers.0'"):
-        got = _step(model, x)
+        got = exact_step(model, x)
     assert_exact(got, ref)
 
 
@@ -160,14 +157,14 @@ def test_segments_on_a_module_dict_is_refused() -> None:
     ],
 )
 def test_beit_and_eva_groups_are_exact_and_hold_less(
-    assert_exact, saved_bytes, arch: str, kwargs: dict[str, Any], rules: list[Any]
+    assert_exact, exact_step, saved_bytes, arch: str, kwargs: dict[str, Any], rules: list[Any]
 ) -> None:
     torch.manual_seed(0)
     plain = timm.create_model(
         arch, pretrained=False, img_size=32, depth=4, num_classes=5, drop_path_rate=0.2, **kwargs
     ).train()
     x = torch.randn(2, 3, 32, 32)
-    ref = _step(plain, x)
+    ref = exact_step(plain, x)
     held = {}
     for level in (3, 4, 5):
         model = copy.deepcopy(plain)
@@ -178,7 +175,7 @@ def test_beit_and_eva_groups_are_exact_and_hold_less(
             warnings.simplefilter("error")  # no run ends early
             with saved_bytes() as saved:
                 model(x)
-            assert_exact(_step(model, x), ref)
+            assert_exact(exact_step(model, x), ref)
         held[level] = saved.nbytes
     assert held[4] < held[3]
 

@@ -37,19 +37,14 @@ def _vit(**kwargs) -> nn.Module:
     ).train()
 
 
-def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
-    torch.manual_seed(1)  # the same drop-path masks in every run
-    out = model(x)
-    out.float().square().mean().backward()
-    return out.detach(), [p.grad for p in model.parameters()]
-
-
 @pytest.mark.parametrize("base", [2, 3, 4])
-def test_lean_mlps_are_exact_alone_and_inside_full_and_selective_regions(base, assert_exact):
+def test_lean_mlps_are_exact_alone_and_inside_full_and_selective_regions(
+    base, assert_exact, exact_step
+):
     """Base levels: 2 makes the MLPs full regions, 3 the layers (the lean MLP inside a
     recomputed layer), 4 groups of layers; at level 1 the layers are selective regions."""
     model, x = _vit(), torch.randn(2, 3, 32, 32)
-    reference = _step(copy.deepcopy(model), x)
+    reference = exact_step(copy.deepcopy(model), x)
     for level in range(0, base + 1):
         applied = copy.deepcopy(model)
         plan = vision_ckpt.apply(
@@ -59,11 +54,11 @@ def test_lean_mlps_are_exact_alone_and_inside_full_and_selective_regions(base, a
         assert plan["blocks.0.mlp"].lean_at(level) == (level >= 1)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # every lean MLP takes the lean path
-            got = _step(applied, x)
+            got = exact_step(applied, x)
         assert_exact(got, reference, f"at level {level}")
 
 
-def test_lean_mlp_is_exact_under_cpu_autocast(assert_exact):
+def test_lean_mlp_is_exact_under_cpu_autocast(assert_exact, exact_step):
     model, x = _vit(), torch.randn(2, 3, 32, 32)
     plain, lean = copy.deepcopy(model), copy.deepcopy(model)
     vision_ckpt.apply(lean, {"training_checkpoint_level": 1, "rules": [LEAN]})
@@ -71,8 +66,8 @@ def test_lean_mlp_is_exact_under_cpu_autocast(assert_exact):
     for m in (plain, lean):
         with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
             warnings.simplefilter("error")
-            results.append(_step(m, x))
-    assert results[0][0].dtype == torch.bfloat16
+            results.append(exact_step(m, x))
+    assert results[0]["out"].dtype == torch.bfloat16
     assert_exact(results[1], results[0], "under autocast")
 
 
@@ -162,20 +157,20 @@ def test_an_mlp_with_dropout_inside_is_an_error_for_a_rule_and_left_out_by_a_pre
     assert plan["blocks.0.mlp"].lean_at(5) and not plan["blocks.0.mlp"].lean_at(4)
 
 
-def test_a_call_lean_cannot_take_warns_once_and_stays_exact(assert_exact):
+def test_a_call_lean_cannot_take_warns_once_and_stays_exact(assert_exact, exact_step):
     """Dropout switched on after planning: the MLP runs its own forward, says so once."""
     model, x = _vit(), torch.randn(2, 3, 32, 32)
     vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [LEAN]})
     model.blocks[0].mlp.drop1.p = 0.2
     reference = copy.deepcopy(model)
     vision_ckpt.remove(reference)
-    want = _step(reference, x)
+    want = exact_step(reference, x)
     with pytest.warns(UserWarning, match=r"'blocks.0.mlp' runs its own forward.*p=0.2"):
-        got = _step(model, x)
+        got = exact_step(model, x)
     assert_exact(got, want, "with dropout switched on")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _step(model, x)
+        exact_step(model, x)
 
 
 def _sequential_mlp() -> tuple[nn.Module, torch.Tensor]:
@@ -232,16 +227,18 @@ def test_torch_func_transforms_run_the_mlps_own_forward(assert_exact):
     ],
     ids=["transposed weight", "activation swapped", "pruned"],
 )
-def test_a_module_changed_after_planning_runs_its_own_forward(change, message, assert_exact):
+def test_a_module_changed_after_planning_runs_its_own_forward(
+    change, message, assert_exact, exact_step
+):
     plain, x = _sequential_mlp()
     lean = _lean(copy.deepcopy(plain))
     change(plain)
     change(lean)
     for _ in range(2):  # two training steps: pruning's hook rebuilds the weight each time
-        want = _step(plain, x)
+        want = exact_step(plain, x)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = _step(lean, x)
+            got = exact_step(lean, x)
         assert_exact(got, want, "after the change")
     assert any(re.search(message, str(w.message)) for w in caught) or lean[0].forward.lean.warned
 

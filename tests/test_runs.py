@@ -58,28 +58,18 @@ class StemNet(nn.Module):
         return self.head(self.body(x).mean((2, 3)))
 
 
-def _step(model: nn.Module, x: torch.Tensor, seed: int = 0) -> dict[str, object]:
-    torch.manual_seed(seed)
-    out = model(x)
-    out.square().sum().backward()
-    return {
-        "out": out.detach(),
-        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-        "buffers": {n: b.clone() for n, b in model.named_buffers()},
-        "x_grad": x.grad.clone() if x.grad is not None else None,
-    }
-
-
 @pytest.mark.parametrize("between", [None, "rng"])
 @pytest.mark.parametrize("level", [0, 1, 3])
-def test_run_is_exact_with_dropout_and_batchnorm(assert_exact, level: int, between) -> None:
+def test_run_is_exact_with_dropout_and_batchnorm(
+    assert_exact, exact_step, level: int, between
+) -> None:
     torch.manual_seed(0)
     plain = StemNet(between)
     model = copy.deepcopy(plain)
     vision_ckpt.apply(model, {"training_checkpoint_level": level, "rules": [STEM]})
     x = torch.randn(4, 3, 16, 16, requires_grad=True)
-    ref = _step(plain, x.detach().clone().requires_grad_())
-    got = _step(model, x)
+    ref = exact_step(plain, x)
+    got = exact_step(model, x)
     assert_exact(got, ref)
 
 
@@ -112,22 +102,22 @@ def test_run_keeps_only_its_input_and_recomputes_each_member(saved_bytes, op_cou
     ],
 )
 def test_work_between_members_ends_the_run_exactly_with_a_warning(
-    assert_exact, between, reason
+    assert_exact, exact_step, between, reason
 ) -> None:
     torch.manual_seed(0)
     plain = StemNet(between)
     model = copy.deepcopy(plain)
     vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [STEM]})
     x = torch.randn(2, 3, 8, 8)
-    ref = _step(plain, x)
+    ref = exact_step(plain, x)
     with pytest.warns(
         UserWarning, match=rf"run 'conv..pool' .* ended after 'bn': 'act' .*{reason}"
     ):
-        got = _step(model, x)
+        got = exact_step(model, x)
     assert_exact(got, ref)
 
 
-def test_a_run_inside_a_recomputed_region_is_exact(assert_exact) -> None:
+def test_a_run_inside_a_recomputed_region_is_exact(assert_exact, exact_step) -> None:
     torch.manual_seed(0)
     plain = StemNet()
     model = copy.deepcopy(plain)
@@ -138,10 +128,10 @@ def test_a_run_inside_a_recomputed_region_is_exact(assert_exact) -> None:
     }
     vision_ckpt.apply(model, cfg)
     x = torch.randn(2, 3, 8, 8)
-    assert_exact(_step(model, x), _step(plain, x))
+    assert_exact(exact_step(model, x), exact_step(plain, x))
 
 
-def test_a_run_split_by_an_enclosing_region_ends_at_its_boundary(assert_exact) -> None:
+def test_a_run_split_by_an_enclosing_region_ends_at_its_boundary(assert_exact, exact_step) -> None:
     """Segments of a stack put the run's members in two regions: a member must not join a run
     opened in another region, whose recomputation would not see it."""
     torch.manual_seed(0)
@@ -153,9 +143,9 @@ def test_a_run_split_by_an_enclosing_region_ends_at_its_boundary(assert_exact) -
     ]
     vision_ckpt.apply(model, {"training_checkpoint_level": 4, "rules": rules})
     x = torch.randn(2, 4, 6, 6, requires_grad=True)
-    ref = _step(plain, x.detach().clone().requires_grad_())
+    ref = exact_step(plain, x)
     with pytest.warns(UserWarning, match=r"'2' was called where it runs inside another"):
-        got = _step(model, x)
+        got = exact_step(model, x)
     assert_exact(got, ref)
 
 
@@ -259,7 +249,7 @@ def test_a_member_with_a_level_of_its_own_is_refused() -> None:
 
 
 @pytest.mark.parametrize("arch", ["resnet18", "efficientnet_b0", "densenet121"])
-def test_timm_stems_are_one_region_at_level_1(arch: str, assert_exact) -> None:
+def test_timm_stems_are_one_region_at_level_1(arch: str, assert_exact, exact_step) -> None:
     torch.manual_seed(0)
     kwargs = {"num_classes": 10, "drop_rate": 0.2}
     if arch == "densenet121":
@@ -272,8 +262,8 @@ def test_timm_stems_are_one_region_at_level_1(arch: str, assert_exact) -> None:
     x = torch.randn(2, 3, 64, 64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the whole stem joins the run: no member breaks it
-        got = _step(model, x)
-    assert_exact(got, _step(plain, x))
+        got = exact_step(model, x)
+    assert_exact(got, exact_step(plain, x))
 
 
 def test_torchvision_resnet_stem_lowers_the_peak() -> None:
@@ -363,7 +353,7 @@ def test_a_presets_run_keeps_its_glob_in_a_feature_wrapper() -> None:
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_a_run_takes_over_a_members_finer_region_from_its_level(
-    level: int, assert_exact, core_calls, op_counter
+    level: int, assert_exact, exact_step, core_calls, op_counter
 ) -> None:
     """A member may have a level of its own below the run's: BN alone at level 1, the stem run
     from level 2, where BN's own region steps aside (NOTE [ Runs take over ])."""
@@ -375,11 +365,11 @@ def test_a_run_takes_over_a_members_finer_region_from_its_level(
     assert p["bn"].checkpointed == (level == 1) and p["conv"].checkpointed == (level == 2)
     assert str(p["bn"].rung_at(1)) == "full 1 only"
     x = torch.randn(4, 3, 16, 16, requires_grad=True)
-    ref = _step(plain, x.detach().clone().requires_grad_())
+    ref = exact_step(plain, x)
     core_calls.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the run is whole at level 2: no member breaks it
-        got = _step(model, x)
+        got = exact_step(model, x)
     assert_exact(got, ref)
     # level 1: BN's own region; level 2: the run's, which opens no region of BN's
     assert (core_calls.labels == ["bn"]) if level == 1 else ("bn" not in core_calls.labels)
@@ -436,21 +426,21 @@ def _keyword_model(mask: str | None) -> tuple[nn.Module, nn.Module]:
 
 
 @pytest.mark.parametrize("mask", [None, "tensor"])
-def test_keyword_arguments_join_the_run(assert_exact, saved_bytes, mask) -> None:
+def test_keyword_arguments_join_the_run(assert_exact, exact_step, saved_bytes, mask) -> None:
     plain, model = _keyword_model(mask)
     x = torch.randn(4, 6, 8, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the run does not end early
-        got = _step(model, x)
+        got = exact_step(model, x)
         with saved_bytes() as ran:
             model(x)
-    ref = _step(plain, x.detach().clone().requires_grad_())
+    ref = exact_step(plain, x)
     assert_exact(got, ref)  # the mask's gradient included: it reaches the scale parameter
     # what the run keeps is its input; the mask is held by the run's replay, not saved
     assert ran.nbytes == x.numel() * x.element_size()
 
 
-def test_a_keyword_container_ends_the_run_and_names_the_argument(assert_exact) -> None:
+def test_a_keyword_container_ends_the_run_and_names_the_argument(assert_exact, exact_step) -> None:
     plain, model = _keyword_model("list")
     x = torch.randn(4, 6, 8, requires_grad=True)
     with pytest.warns(
@@ -458,8 +448,8 @@ def test_a_keyword_container_ends_the_run_and_names_the_argument(assert_exact) -
         match=r"ended after 'norm': 'gate' was called with arguments \['mask'\] that "
         r"the run cannot pass again \(only tensors and None, bool, int, float and str",
     ):
-        got = _step(model, x)
-    ref = _step(plain, x.detach().clone().requires_grad_())
+        got = exact_step(model, x)
+    ref = exact_step(plain, x)
     assert_exact(got, ref)
 
 

@@ -38,29 +38,19 @@ class Block(nn.Module):
         return x + self.ckpt(self.mlp, x)
 
 
-def _step(module: nn.Module, x: torch.Tensor):
-    torch.manual_seed(123)
-    x = x.detach().requires_grad_()
-    out = module(x)
-    out.square().sum().backward()
-    grads = [p.grad.clone() for p in module.parameters()]
-    module.zero_grad(set_to_none=True)
-    return out.detach(), x.grad, grads
-
-
 @pytest.mark.parametrize("block_level", range(6))
 @pytest.mark.parametrize("train_level", range(6))
 def test_checkpointed_exactly_when_level_within_training_level(
-    block_level, train_level, core_calls, assert_exact
+    block_level, train_level, core_calls, assert_exact, exact_step
 ):
     block = Block(block_level)
     x = torch.randn(4, 8)
     set_training_level(train_level)
-    got = _step(block, x)
+    got = exact_step(block, x)
     expected_calls = 1 if 1 <= block_level <= train_level else 0
     assert len(core_calls) == expected_calls
     set_training_level(0)
-    assert_exact(got, _step(block, x))
+    assert_exact(got, exact_step(block, x))
 
 
 def test_eval_no_grad_and_level_zero_call_the_core_zero_times(core_calls):
@@ -92,11 +82,11 @@ def test_pinned_training_level_ignores_the_global_one(core_calls):
     assert len(core_calls) == 1
 
 
-def test_global_level_changes_between_steps(core_calls):
+def test_global_level_changes_between_steps(core_calls, exact_step):
     block, x = Block(2), torch.randn(4, 8)
     for level, total in [(1, 0), (2, 1), (5, 2), (0, 2), (3, 3)]:
         set_training_level(level)
-        _step(block, x)
+        exact_step(block, x)
         assert len(core_calls) == total, level
 
 
@@ -139,7 +129,7 @@ def test_backward_outside_the_level_block_recomputes_at_the_forward_level(assert
     assert_exact(xc.grad, xr.grad)
 
 
-def test_nested_wrappers_nesting_all_and_outermost(core_calls, assert_exact):
+def test_nested_wrappers_nesting_all_and_outermost(core_calls, assert_exact, exact_step):
     x = torch.randn(4, 8)
 
     class Nested(nn.Module):
@@ -155,19 +145,19 @@ def test_nested_wrappers_nesting_all_and_outermost(core_calls, assert_exact):
     for nesting in ("all", "outermost"):
         core_calls.clear()
         with training_level(3):
-            results[nesting] = _step(Nested(nesting), x)
+            results[nesting] = exact_step(Nested(nesting), x)
         results[nesting + "_calls"] = len(core_calls)
     # all: outer once, inner in forward and once more in the outer's recomputation.
     assert results["all_calls"] == 3
     assert results["outermost_calls"] == 1
     with training_level(0):
-        ref = _step(Nested("all"), x)
+        ref = exact_step(Nested("all"), x)
     assert_exact(results["all"], ref)
     assert_exact(results["outermost"], ref)
     # At level 2 only the inner block is eligible: outermost checkpoints it.
     core_calls.clear()
     with training_level(2):
-        _step(Nested("outermost"), x)
+        exact_step(Nested("outermost"), x)
     assert len(core_calls) == 1
 
 
@@ -184,7 +174,9 @@ def test_kwargs_and_non_tensor_args_pass_through(assert_exact):
     assert_exact(out, lin(x) * 2.0 + torch.ones(4))
 
 
-def test_use_reentrant_true_goes_to_torch_with_a_one_time_warning(core_calls, assert_exact):
+def test_use_reentrant_true_goes_to_torch_with_a_one_time_warning(
+    core_calls, assert_exact, exact_step
+):
     wrapper_module._reentrant_warned = False
     block, x = Block(2), torch.randn(4, 8)
 
@@ -195,12 +187,12 @@ def test_use_reentrant_true_goes_to_torch_with_a_one_time_warning(core_calls, as
     reentrant = Reentrant(2)
     with training_level(2):
         with pytest.warns(FutureWarning, match=r"use_reentrant=True\) runs torch's reentrant"):
-            got = _step(reentrant, x)
+            got = exact_step(reentrant, x)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            _step(reentrant, x)  # no second warning
+            exact_step(reentrant, x)  # no second warning
     assert core_calls == []
-    assert_exact(got, _step(block, x))
+    assert_exact(got, exact_step(block, x))
 
 
 def test_repr_shows_levels():
