@@ -26,6 +26,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -867,19 +868,15 @@ def checkpoint(
     >>> x.grad.shape
     torch.Size([4, 8])
     """
-    return _run(
-        function,
-        args,
-        kwargs,
-        None,
-        None,
-        use_reentrant,
-        preserve_rng_state,
-        context_fn,
-        determinism_check,
-        debug,
-        early_stop,
+    options = _Options(
+        use_reentrant=use_reentrant,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+        determinism_check=determinism_check,
+        debug=debug,
+        early_stop=early_stop,
     )
+    return _run(function, args, kwargs, options)
 
 
 def checkpoint_region(
@@ -897,74 +894,130 @@ def checkpoint_region(
     recomputation must not update again (NOTE [ Stateful modules during recomputation ]);
     ``label``: the name errors quote (``'blocks.3'``, ``'blocks[0:4]'``); ``offload``: keep
     the CUDA inputs in pinned host memory (NOTE [ Offloaded inputs ])."""
-    return _run(
-        function,
-        args,
-        kwargs,
-        module,
-        label,
-        None,
-        preserve_rng_state,
-        context_fn,
-        "default",
-        False,
-        True,
-        offload,
+    options = _Options(
+        module=module,
+        label=label,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+        offload=offload,
     )
+    return _run(function, args, kwargs, options)
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """How one call checkpoints its region: what :func:`checkpoint` or
+    :func:`checkpoint_region` was given besides the region and its arguments."""
+
+    module: torch.nn.Module | None = None
+    """The module whose BatchNorm statistics the recomputation must not update again; ``None``:
+    what the region shows (NOTE [ Stateful modules during recomputation ])."""
+    label: str | None = None
+    """The region's name in errors; ``None``: derived from the region."""
+    use_reentrant: bool | None = None
+    """Accepted for compatibility; only ``False``/``None`` run (``True`` is an error in eager)."""
+    preserve_rng_state: bool = True
+    """Stash and restore the RNG state around the recomputation (NOTE [ RNG state ])."""
+    context_fn: Callable[[], tuple[Any, Any]] | None = None
+    """The contexts entered around the forward and the recomputation, or ``None``."""
+    determinism_check: str = "default"
+    """``"default"``: compare shape, dtype and device of every recomputed tensor; ``"none"``."""
+    debug: bool = False
+    """Record the operators of both runs for errors."""
+    early_stop: bool = True
+    """Stop the recomputation as soon as every saved tensor is back."""
+    offload: bool = False
+    """Keep the CUDA inputs in pinned host memory (NOTE [ Offloaded inputs ])."""
 
 
 def _run(
     function: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    module: torch.nn.Module | None,
-    label: str | None,
-    use_reentrant: bool | None,
-    preserve_rng_state: bool,
-    context_fn: Callable[[], tuple[Any, Any]] | None,
-    determinism_check: str,
-    debug: bool,
-    early_stop: bool,
-    offload: bool = False,
+    options: _Options,
 ) -> Any:
+    """Call ``function(*args, **kwargs)`` as one checkpointed region: save its inputs and the
+    state of the call in a frame, and run the forward under the frame's pack hooks."""
     if torch.compiler.is_compiling() or _proxy_tracing():
-        # Under torch.compile / export tracing, hand the region to torch's own non-reentrant
-        # checkpoint, which dynamo and AOTAutograd understand as a higher-order op.
-        # The region counts as running, as in eager, so that regions inside it take the
-        # nesting decisions they take in eager (wrapper's NOTE [ Nesting ]): the partitioner
-        # recomputes the traced graph, never this code, so forward and recomputation agree.
-        if context_fn is not None:
-            kwargs["context_fn"] = context_fn
-        state = _state
-        state.region_depth += 1
-        try:
-            return _torch_ckpt.checkpoint(
-                function,
-                *args,
-                use_reentrant=False,
-                preserve_rng_state=preserve_rng_state,
-                determinism_check=determinism_check,
-                debug=debug,
-                early_stop=early_stop,
-                **kwargs,
-            )
-        finally:
-            state.region_depth -= 1
-    if use_reentrant:
+        return _run_traced(function, args, kwargs, options)
+    _check_options(options)
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+
+    frame = _blank_frame(function, options.label, check=options.determinism_check == "default")
+    tensors = _capture_inputs(frame, args, kwargs)
+    debug_on = _debug_enabled if _debug_enabled is not None else options.debug
+    frame.early_stop = options.early_stop
+
+    device_type = _accelerator_type(tensors) if tensors else "cuda"
+    frame.autocast = _capture_autocast(device_type)
+    cuda_was_initialized = getattr(torch.cuda, "_initialized", False)
+    frame.rng = _stash_rng(tensors) if options.preserve_rng_state else None
+    frame.batchnorms = _region_batchnorms(function, options.module)
+    forward_ctx = _region_contexts(frame, options.context_fn, debug_on)
+    tensors = _unique_inputs(frame, tensors)
+    frame.saved = _offload_inputs(tensors) if options.offload else _save_inputs(tensors)
+
+    out = _forward(frame, function, args, kwargs, forward_ctx)
+    frame.forward_done = True
+    if (
+        options.preserve_rng_state
+        and not cuda_was_initialized
+        and getattr(torch.cuda, "_initialized", False)
+    ):
+        raise CheckpointError(
+            f"vision_ckpt.checkpoint: region {_region_name(frame)} initialised CUDA during its "
+            "forward, so its CUDA RNG state could not be stashed for the recomputation. "
+            "Initialise CUDA before the call (e.g. move the inputs to the GPU first), or pass "
+            "preserve_rng_state=False if the region draws no random numbers on the GPU."
+        )
+    return out
+
+
+def _run_traced(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: _Options
+) -> Any:
+    """The region under torch.compile / export tracing: torch's own non-reentrant checkpoint,
+    which dynamo and AOTAutograd understand as a higher-order op."""
+    # The region counts as running, as in eager, so that regions inside it take the
+    # nesting decisions they take in eager (wrapper's NOTE [ Nesting ]): the partitioner
+    # recomputes the traced graph, never this code, so forward and recomputation agree.
+    if options.context_fn is not None:
+        kwargs["context_fn"] = options.context_fn
+    state = _state
+    state.region_depth += 1
+    try:
+        return _torch_ckpt.checkpoint(
+            function,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=options.preserve_rng_state,
+            determinism_check=options.determinism_check,
+            debug=options.debug,
+            early_stop=options.early_stop,
+            **kwargs,
+        )
+    finally:
+        state.region_depth -= 1
+
+
+def _check_options(options: _Options) -> None:
+    """ValueError for a reentrant call or an unknown determinism check (eager only)."""
+    if options.use_reentrant:
         raise ValueError(
             "vision_ckpt.checkpoint is the non-reentrant checkpoint; got use_reentrant=True. "
             "Pass use_reentrant=False (or leave it out), or call "
             "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) for the reentrant variant."
         )
-    if determinism_check not in _DETERMINISM_CHECKS:
+    if options.determinism_check not in _DETERMINISM_CHECKS:
         raise ValueError(
-            f"vision_ckpt.checkpoint: determinism_check={determinism_check!r} is not supported; "
-            f"expected one of {list(_DETERMINISM_CHECKS)}."
+            f"vision_ckpt.checkpoint: determinism_check={options.determinism_check!r} is not "
+            f"supported; expected one of {list(_DETERMINISM_CHECKS)}."
         )
-    if not torch.is_grad_enabled():
-        return function(*args, **kwargs)
 
-    frame = _blank_frame(function, label, check=determinism_check == "default")
+
+def _capture_inputs(frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """Record in ``frame`` how to rebuild the region's arguments; return their tensors in order."""
     # NOTE [ Inputs are captured at call time ]
     # Tensor arguments are kept as SavedVariables (so enclosing regions and user hooks see them,
     # and in-place changes after the call are detected), and every list/tuple/dict around them is
@@ -996,16 +1049,14 @@ def _run(
         for i in frame.tensor_pos:
             leaves[i] = None
         frame.leaves = leaves
+    return tensors
 
-    debug_on = _debug_enabled if _debug_enabled is not None else debug
-    frame.early_stop = early_stop
 
-    device_type = _accelerator_type(tensors) if tensors else "cuda"
-    frame.autocast = _capture_autocast(device_type)
-    cuda_was_initialized = getattr(torch.cuda, "_initialized", False)
-    frame.rng = _stash_rng(tensors) if preserve_rng_state else None
-    frame.batchnorms = _region_batchnorms(function, module)
-
+def _region_contexts(
+    frame: _Frame, context_fn: Callable[[], tuple[Any, Any]] | None, debug_on: bool
+) -> Any:
+    """The context to run the forward in, or ``None``; the recomputation's goes to ``frame``,
+    each with the operator log around it when debugging."""
     forward_ctx = recompute_ctx = None
     if context_fn is not None:
         forward_ctx, recompute_ctx = context_fn()
@@ -1015,7 +1066,11 @@ def _run(
         forward_ctx = _stacked(frame.logs.forward, forward_ctx)
         recompute_ctx = _stacked(frame.logs.recompute, recompute_ctx)
     frame.recompute_ctx = recompute_ctx
+    return forward_ctx
 
+
+def _unique_inputs(frame: _Frame, tensors: list[Any]) -> list[Any]:
+    """``tensors`` with each tensor once; ``frame`` records where each one recurs."""
     # NOTE [ Repeated tensor arguments ]
     # A tensor passed in several places (MultiheadAttention(x, x, x)) is saved once and handed
     # back as one object in all of them: code that tests identity (``query is key``) must take
@@ -1034,8 +1089,17 @@ def _run(
         if len(unique) < len(tensors):
             frame.same_as = same_as
             tensors = unique
-    frame.saved = _offload_inputs(tensors) if offload else _save_inputs(tensors)
+    return tensors
 
+
+def _forward(
+    frame: _Frame,
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    forward_ctx: Any,
+) -> Any:
+    """Run the region's forward under ``frame``'s pack hooks (and ``forward_ctx``)."""
     state = _state
     state.region_depth += 1
     frame._user_hooks = _user_saved_tensors_hooks()
@@ -1058,18 +1122,6 @@ def _run(
             f"vision_ckpt.checkpoint: the forward context from context_fn suppressed an exception "
             f"raised inside region {_region_name(frame)}; checkpoint has no output to return. "
             "Let the exception propagate from the context manager."
-        )
-    frame.forward_done = True
-    if (
-        preserve_rng_state
-        and not cuda_was_initialized
-        and getattr(torch.cuda, "_initialized", False)
-    ):
-        raise CheckpointError(
-            f"vision_ckpt.checkpoint: region {_region_name(frame)} initialised CUDA during its "
-            "forward, so its CUDA RNG state could not be stashed for the recomputation. "
-            "Initialise CUDA before the call (e.g. move the inputs to the GPU first), or pass "
-            "preserve_rng_state=False if the region draws no random numbers on the GPU."
         )
     return out
 
