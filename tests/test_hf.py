@@ -310,7 +310,9 @@ def test_levels_one_and_two_save_something(case: Case) -> None:
 
 
 def test_vit_level_five_nests_the_attention_and_lowers_the_peak(
-    core_calls: list[Any], assert_exact: Callable[..., None]
+    exact_step: Callable[..., dict[str, Any]],
+    core_calls: list[Any],
+    assert_exact: Callable[..., None],
 ) -> None:
     """hf_vit's level 5 adds each layer's attention as a region inside the layer's
     recomputation: gradients stay bit-exact with dropout on, and the step's peak falls below
@@ -323,14 +325,14 @@ def test_vit_level_five_nests_the_attention_and_lowers_the_peak(
         _vit_config(num_hidden_layers=4, hidden_size=64, intermediate_size=128, image_size=64)
     ).train()
     x = torch.randn(4, 3, 64, 64)
-    expected = _grads(plain, x)
+    expected = exact_step(plain, x)
     peaks, calls = {}, {}
     for level in (4, 5):
         model = copy.deepcopy(plain)
         vision_ckpt.apply_preset(model, level)
         del core_calls[:], core_calls.labels[:]
         with track_peak_memory(model, x) as mem:
-            got = _grads(model, x)
+            got = exact_step(model, x)
         assert_exact(got, expected)  # same dropout masks, same gradients, rtol=atol=0
         peaks[level] = mem.activation_bytes
         calls[level] = sorted({str(name) for name in core_calls.labels if "attention" in str(name)})
@@ -339,7 +341,9 @@ def test_vit_level_five_nests_the_attention_and_lowers_the_peak(
 
 
 def test_dinov2_level_five_nests_the_attention_half_and_lowers_the_peak(
-    core_calls: list[Any], assert_exact: Callable[..., None]
+    exact_step: Callable[..., dict[str, Any]],
+    core_calls: list[Any],
+    assert_exact: Callable[..., None],
 ) -> None:
     """hf_dinov2's level 5 adds norm1 through attention as a run inside each recomputed layer:
     bit-exact with dropout and drop-path on, and a lower step peak than level 4."""
@@ -359,7 +363,7 @@ def test_dinov2_level_five_nests_the_attention_half_and_lowers_the_peak(
     torch.manual_seed(0)
     plain = T.Dinov2ForImageClassification(config).train()
     x = torch.randn(4, 3, 64, 64)
-    expected = _grads(plain, x)
+    expected = exact_step(plain, x)
     peaks, runs = {}, {}
     for level in (4, 5):
         model = copy.deepcopy(plain)
@@ -367,7 +371,7 @@ def test_dinov2_level_five_nests_the_attention_half_and_lowers_the_peak(
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the run is taken whole, never cut short
             with track_peak_memory(model, x) as mem:
-                got = _grads(model, x)
+                got = exact_step(model, x)
         assert_exact(got, expected)
         peaks[level] = mem.activation_bytes
         runs[level] = sorted(e.name for e in plan.entries if e.name.endswith(".norm1"))
@@ -383,15 +387,8 @@ def _vit() -> nn.Module:
     return T.ViTForImageClassification(_vit_config()).train()
 
 
-def _grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    torch.manual_seed(1)
-    model.zero_grad(set_to_none=True)
-    first_tensor(model(x)).square().mean().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def test_enable_returns_the_plan_and_keeps_the_state_dict(
-    tmp_path: Path, core_calls: list[Any]
+    exact_step: Callable[..., dict[str, Any]], tmp_path: Path, core_calls: list[Any]
 ) -> None:
     model = _vit()
     keys = list(model.state_dict())
@@ -400,7 +397,7 @@ def test_enable_returns_the_plan_and_keeps_the_state_dict(
     assert plan.checkpointed == ("vit.layers.0", "vit.layers.1")
     assert all(e.origin.startswith("preset hf_vit #") for e in plan)
     assert list(model.state_dict()) == keys
-    _grads(model, torch.randn(2, 3, 32, 32))
+    exact_step(model, torch.randn(2, 3, 32, 32))
     assert len(core_calls) == 2
 
     model.save_pretrained(tmp_path)
@@ -455,7 +452,9 @@ def test_memory_budget_chooses_a_level() -> None:
     assert enable_checkpointing(model, config=cfg, example_input=x).pinned_training_level == 0
 
 
-def test_refuses_hf_checkpointing_and_guards_against_it(core_calls: list[Any]) -> None:
+def test_refuses_hf_checkpointing_and_guards_against_it(
+    exact_step: Callable[..., dict[str, Any]], core_calls: list[Any]
+) -> None:
     model = _vit()
     model.gradient_checkpointing_enable()
     assert hf_checkpointing_on(model)
@@ -474,7 +473,7 @@ def test_refuses_hf_checkpointing_and_guards_against_it(core_calls: list[Any]) -
         with pytest.raises(ConfigError, match="vision_ckpt already checkpoints"):
             other.gradient_checkpointing_enable()
         del core_calls[:]
-        _grads(other, torch.randn(2, 3, 32, 32))
+        exact_step(other, torch.randn(2, 3, 32, 32))
         assert len(core_calls) == 2
 
     disable_checkpointing(model)
@@ -521,11 +520,14 @@ def _hf_checkpointed(model: nn.Module) -> tuple[str, ...]:
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_every_n_layers_checkpoints_hugging_faces_layers(
-    n: int, core_calls: list[Any], assert_exact: Callable[..., None]
+    exact_step: Callable[..., dict[str, Any]],
+    n: int,
+    core_calls: list[Any],
+    assert_exact: Callable[..., None],
 ) -> None:
     plain = _vit4()
     x = torch.randn(2, 3, 32, 32)
-    expected = _grads(plain, x)
+    expected = exact_step(plain, x)
 
     theirs = copy.deepcopy(plain)
     theirs.activation_checkpointing_enable(every_n_layers=n)
@@ -536,9 +538,9 @@ def test_every_n_layers_checkpoints_hugging_faces_layers(
     plan = enable_checkpointing(ours, every_n_layers=n)
     assert plan.checkpointed == marked and plan.pinned_training_level == 3
     del core_calls[:]
-    assert_exact(_grads(ours, x), expected)  # dropout on: same masks, same gradients
+    assert_exact(exact_step(ours, x), expected)  # dropout on: same masks, same gradients
     assert len(core_calls) == len(marked)  # one region per chosen layer, nothing inside others
-    assert_exact(_grads(theirs, x), expected)
+    assert_exact(exact_step(theirs, x), expected)
     if n == 1:
         assert plan == enable_checkpointing(copy.deepcopy(plain), level=3)
 
@@ -564,14 +566,17 @@ def test_every_n_layers_keeps_between_none_and_every_layer(saved_bytes: Any) -> 
 
 
 def test_offload_on_cpu_is_a_reported_no_op(
-    core_calls: list[Any], assert_exact: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+    exact_step: Callable[..., dict[str, Any]],
+    core_calls: list[Any],
+    assert_exact: Callable[..., None],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import vision_ckpt.integrations.hf as hf_helper
 
     monkeypatch.setattr(hf_helper, "_offload_warned", False)
     plain = _vit4()
     x = torch.randn(2, 3, 32, 32)
-    expected = _grads(plain, x)
+    expected = exact_step(plain, x)
     model = copy.deepcopy(plain)
     with pytest.warns(UserWarning, match=r"offload=True\): the model is on cpu, where offload"):
         plan = enable_checkpointing(model, offload=True)
@@ -581,7 +586,7 @@ def test_offload_on_cpu_is_a_reported_no_op(
     assert plan.not_compiled == tuple(f"{name} (offload)" for name in layers)
     assert "pinned host memory on CUDA only: on cpu this does nothing" in str(plan)
     del core_calls[:]
-    assert_exact(_grads(model, x), expected)
+    assert_exact(exact_step(model, x), expected)
     assert len(core_calls) == 4
 
     with warnings.catch_warnings(record=True) as caught:  # warned once
