@@ -5,6 +5,10 @@
 - ``exact_step(model, x, *, seed=0, loss=None)``: the exactness oracle's training step; its
   result, compared with ``assert_exact`` against the same model without checkpointing, checks the
   output, the input gradient, every parameter gradient and every buffer bit for bit.
+- ``scratch_preset(rules, name="scratch")``: registers a preset for this test only and returns
+  its name; ``rules`` is a list of rules or the name of one of the fixture presets below
+  (``"vit_like"``). A test of the machinery (plan, apply, runs, groups, lean) uses one, so that
+  tuning a shipped preset under ``configs/presets/`` never breaks it.
 - ``saved_bytes``: the library's ``count_saved_bytes``, a context manager that counts the bytes
   autograd packs for backward while it is active (each storage counted once).
 - ``op_counter``: a context manager class that counts the aten ops dispatched while it is active.
@@ -132,6 +136,41 @@ def exact_step():
     (gradients and buffers by name, cloned). ``assert_exact(step(m, x), step(plain, x))`` is
     the oracle."""
     return _exact_step
+
+
+# Fixture presets: the levels of a shipped preset as they were when the tests using them were
+# written, frozen here so that tuning configs/presets/*.yaml changes no machinery test.
+FIXTURE_PRESETS: dict[str, list[dict[str, Any]]] = {
+    # configs/presets/vit.yaml for a timm VisionTransformer: selective layers, full MLPs, full
+    # layers, groups of about sqrt(depth) layers, lean MLPs and attention halves as runs.
+    "vit_like": [
+        {"match": "blocks.*", "level": 1, "strategy": "selective"},
+        {"match": "blocks.*.mlp", "level": 2},
+        {"match": "blocks.*", "level": 3},
+        {"match": "blocks", "level": 4, "segments": "auto"},
+        {"match": "blocks.*.mlp", "level": 5, "strategy": "lean"},
+        {"match": "blocks.*.norm1", "level": 5, "through": "drop_path1"},
+    ],
+}
+
+
+@pytest.fixture
+def scratch_preset(scratch_registry: None) -> Callable[..., str]:
+    """``scratch_preset(rules, name="scratch")`` registers a preset in the test's copy of the
+    registry (the top-level ``scratch_registry``) and returns its name, for ``{"preset": name}``
+    or ``apply_preset(model, level, preset=name)``. ``rules`` is a list of rules (dicts as in a
+    config) or the name of a fixture preset (:data:`FIXTURE_PRESETS`), registered under that
+    name."""
+    from vision_ckpt.config import CheckpointConfig
+    from vision_ckpt.presets import register_preset
+
+    def register(rules: list[dict[str, Any]] | str, name: str = "scratch") -> str:
+        if isinstance(rules, str):
+            name, rules = rules, FIXTURE_PRESETS[rules]
+        register_preset(name, CheckpointConfig(rules=rules))
+        return name
+
+    return register
 
 
 @pytest.fixture

@@ -39,17 +39,18 @@ def _vit(**kwargs) -> nn.Module:
 
 @pytest.mark.parametrize("base", [2, 3, 4])
 def test_lean_mlps_are_exact_alone_and_inside_full_and_selective_regions(
-    base, assert_exact, exact_step
+    base, assert_exact, exact_step, scratch_preset
 ):
     """Base levels: 2 makes the MLPs full regions, 3 the layers (the lean MLP inside a
     recomputed layer), 4 groups of layers; at level 1 the layers are selective regions."""
     model, x = _vit(), torch.randn(2, 3, 32, 32)
+    preset = scratch_preset("vit_like")
     reference = exact_step(copy.deepcopy(model), x)
     for level in range(0, base + 1):
         applied = copy.deepcopy(model)
         plan = vision_ckpt.apply(
             applied,
-            {"training_checkpoint_level": level, "preset": "auto", "rules": [LEAN]},
+            {"training_checkpoint_level": level, "preset": preset, "rules": [LEAN]},
         )
         assert plan["blocks.0.mlp"].lean_at(level) == (level >= 1)
         with warnings.catch_warnings():
@@ -108,9 +109,10 @@ def test_lean_leaves_the_model_as_it_was():
     assert "forward" not in model.blocks[0].mlp.__dict__
 
 
-def test_the_plan_shows_lean_beside_the_regions():
+def test_the_plan_shows_lean_beside_the_regions(scratch_preset):
+    preset = scratch_preset("vit_like")
     plan = vision_ckpt.plan(
-        _vit(), {"training_checkpoint_level": 2, "preset": "auto", "rules": [LEAN]}
+        _vit(), {"training_checkpoint_level": 2, "preset": preset, "rules": [LEAN]}
     )
     entry = plan["blocks.0.mlp"]
     assert entry.lean == 1 and entry.checkpointed
@@ -147,13 +149,16 @@ def test_lean_rules_that_cannot_work_are_errors(rules, message):
         vision_ckpt.plan(_vit(), {"training_checkpoint_level": 1, "rules": rules})
 
 
-def test_an_mlp_with_dropout_inside_is_an_error_for_a_rule_and_left_out_by_a_preset():
+def test_an_mlp_with_dropout_inside_is_an_error_for_a_rule_and_left_out_by_a_preset(
+    scratch_preset,
+):
     model = _vit(proj_drop_rate=0.1)
     with pytest.raises(ConfigError, match=r"its drop1 drops \(p=0.1\) between GELU and fc2"):
         vision_ckpt.plan(model, {"training_checkpoint_level": 1, "rules": [LEAN]})
-    plan = vision_ckpt.plan(model, {"training_checkpoint_level": 5, "preset": "auto"})
+    preset = scratch_preset("vit_like")
+    plan = vision_ckpt.plan(model, {"training_checkpoint_level": 5, "preset": preset})
     assert plan["blocks.0.mlp"].lean is None
-    plan = vision_ckpt.plan(_vit(), {"training_checkpoint_level": 5, "preset": "auto"})
+    plan = vision_ckpt.plan(_vit(), {"training_checkpoint_level": 5, "preset": preset})
     assert plan["blocks.0.mlp"].lean_at(5) and not plan["blocks.0.mlp"].lean_at(4)
 
 
@@ -250,10 +255,11 @@ def test_a_rule_on_an_mlp_with_hooks_is_an_error():
         vision_ckpt.plan(model, {"training_checkpoint_level": 1, "rules": [LEAN]})
 
 
-def test_a_level_0_lean_rule_takes_away_the_lean_level_only():
+def test_a_level_0_lean_rule_takes_away_the_lean_level_only(scratch_preset):
     opt_out = {"match": "blocks.*.mlp", "level": 0, "strategy": "lean"}
+    preset = scratch_preset("vit_like")
     plan = vision_ckpt.plan(
-        _vit(), {"training_checkpoint_level": 2, "preset": "auto", "rules": [opt_out]}
+        _vit(), {"training_checkpoint_level": 2, "preset": preset, "rules": [opt_out]}
     )
     entry = plan["blocks.0.mlp"]
     assert entry.lean is None and entry.checkpointed and str(entry.rungs[0]) == "full 2"

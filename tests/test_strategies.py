@@ -108,9 +108,13 @@ def test_stage_selective_frees_what_block_selective_cannot():
     assert stage_kept < 0.85 * block_kept, (stage_kept, block_kept)
 
 
-def test_a_selective_rung_steps_aside_where_a_full_region_inside_it_starts():
+def test_a_selective_rung_steps_aside_where_a_full_region_inside_it_starts(scratch_preset):
     model, _ = _model("resnet50")
-    cfg = CheckpointConfig(preset="auto")
+    stages_and_blocks = [
+        {"match": "layer*", "level": 1, "strategy": "selective"},
+        {"match": "layer*.*", "level": 3},
+    ]
+    cfg = CheckpointConfig(preset=scratch_preset(stages_and_blocks))
     at1 = vision_ckpt.plan(model, cfg).at_level(1)
     assert at1["layer1"].checkpointed and at1["layer1"].rung_at(1).strategy == "selective"
     assert not at1["layer1.0"].checkpointed
@@ -120,7 +124,9 @@ def test_a_selective_rung_steps_aside_where_a_full_region_inside_it_starts():
     assert "selective 1-2" in str(at3)
 
 
-def test_plan_counts_the_regions_the_forward_checkpoints(core_calls, monkeypatch) -> None:
+def test_plan_counts_the_regions_the_forward_checkpoints(
+    core_calls, monkeypatch, scratch_preset
+) -> None:
     runs = []  # regions made of sibling calls (level 5's attention halves) open a ChainRegion
     real_run = vision_ckpt._core.ChainRegion
 
@@ -131,9 +137,10 @@ def test_plan_counts_the_regions_the_forward_checkpoints(core_calls, monkeypatch
     monkeypatch.setattr(vision_ckpt._core, "ChainRegion", counting_run)
     model, x = _model("vit_tiny_patch16_224")
     depth = len(model.blocks)
+    preset = scratch_preset("vit_like")  # groups from level 4 (the `segments` below)
     for nesting in ("auto", "all", "outermost"):
         for level in range(6):
-            cfg = CheckpointConfig(training_checkpoint_level=level, preset="auto", nesting=nesting)
+            cfg = CheckpointConfig(training_checkpoint_level=level, preset=preset, nesting=nesting)
             plan = vision_ckpt.apply(model, cfg)
             del core_calls[:], runs[:]
             out = model(x)  # forward only: the calls recomputation makes come later
@@ -147,9 +154,9 @@ def test_plan_counts_the_regions_the_forward_checkpoints(core_calls, monkeypatch
     vision_ckpt.remove(model)
 
 
-def test_segments_checkpoint_groups_of_sqrt_depth_layers(core_calls) -> None:
+def test_segments_checkpoint_groups_of_sqrt_depth_layers(core_calls, scratch_preset) -> None:
     model, x = _model("vit_tiny_patch16_224")  # depth 5: groups of 2, 2, 1
-    vision_ckpt.apply_preset(model, 4)
+    vision_ckpt.apply_preset(model, 4, preset=scratch_preset("vit_like"))
     model(x).sum().backward()
     labels = [label or "" for label in core_calls.labels]
     assert [x for x in labels if x.startswith("blocks[")] == [
