@@ -469,7 +469,7 @@ def test_a_faster_uniform_level_is_returned_with_the_plan_it_beat(monkeypatch) -
         for level in range(6)
     }
     monkeypatch.setattr(planner, "_uniform_levels", lambda *args: fake)
-    monkeypatch.setattr(planner, "_step_seconds", lambda work, target: 5.0)
+    monkeypatch.setattr(planner, "step_seconds", lambda work, target: 5.0)
     result = plan_for_budget(model, _x(), budget, batch_size=8, config=CONFIG)
     assert result.uniform_level == 2 and result.config.training_checkpoint_level == 2
     assert result.config.rules == CONFIG.rules  # the user's config, at that level
@@ -478,7 +478,7 @@ def test_a_faster_uniform_level_is_returned_with_the_plan_it_beat(monkeypatch) -
     assert result.explain().startswith("level 2 (uniform) fits and no per-block plan was faster")
     assert set(result.blocks) == set(vision_ckpt.plan(model, result.config).checkpointed)
     # a per-block plan as fast as the fastest level is kept (a tie goes to the plan)
-    monkeypatch.setattr(planner, "_step_seconds", lambda work, target: 1.2)
+    monkeypatch.setattr(planner, "step_seconds", lambda work, target: 1.2)
     result = plan_for_budget(model, _x(), budget, batch_size=8, config=CONFIG)
     assert result.uniform_level is None and result.strategies and result.step_time == 1.2
 

@@ -68,6 +68,11 @@ if TYPE_CHECKING:
         plan as plan,
         remove as remove,
     )
+    from .derive import (
+        DerivedLevel as DerivedLevel,
+        DerivedPreset as DerivedPreset,
+        derive_preset as derive_preset,
+    )
     from .fit import (
         FitResult as FitResult,
         FitRow as FitRow,
@@ -110,6 +115,9 @@ _LAZY: dict[str, str] = {
     "checkpoint_sequential": "_core",
     "is_recomputing": "_core",
     "set_checkpoint_debug_enabled": "_core",
+    "DerivedLevel": "derive",
+    "DerivedPreset": "derive",
+    "derive_preset": "derive",
     "CheckpointPlan": "apply",
     "PlanEntry": "apply",
     "apply": "apply",
@@ -188,6 +196,9 @@ __all__ = [
     "where_peak",
     "physical_floor",
     "PeakReport",
+    "derive_preset",
+    "DerivedPreset",
+    "DerivedLevel",
 ]
 
 

@@ -51,6 +51,10 @@ __all__ = [
     "resolve_auto",
     "level_signature",
     "STRATEGIES",
+    "Menus",
+    "measure_menus",
+    "least_memory",
+    "step_seconds",
 ]
 
 STRATEGIES: tuple[str, ...] = ("keep", "selective", "full", "nested", "stage")
@@ -482,8 +486,8 @@ def _proportional(points: Sequence[tuple[int, float]], target: int) -> float:
 
 
 @dataclass
-class _Menus:
-    """What :func:`_measure_menus` found: the blocks' menus at the target batch and the rest."""
+class Menus:
+    """What :func:`measure_menus` found: the blocks' menus at the target batch and the rest."""
 
     base_config: CheckpointConfig
     entries: list[Any]
@@ -499,6 +503,9 @@ class _Menus:
     stage_table: list[dict[str, Any]] = field(default_factory=list)
     stage_of: dict[str, str] = field(default_factory=dict)
     """Block -> the stage holding it (for the blocks of ``spans``)."""
+    through: dict[str, str] = field(default_factory=dict)
+    """Block -> the last sibling of the run it is (a stem's ``through``), for the blocks that
+    are runs."""
 
     def config_for(self, strategies: dict[str, str]) -> CheckpointConfig:
         return _strategy_config(
@@ -506,13 +513,13 @@ class _Menus:
         )
 
 
-def _measure_menus(
+def measure_menus(
     work: Workload,
     target: int,
     base_config: CheckpointConfig,
     menu: tuple[str, ...],
     limit: int | None,
-) -> _Menus:
+) -> Menus:
     """Price every candidate block's menu at ``target`` (NOTE [ Pricing the strategies of a
     block ]). The model must be restored by the caller."""
     model = work.model
@@ -644,7 +651,7 @@ def _measure_menus(
     with training_level(0):
         with applied(model, base_config):
             peak0 = extrapolated_peak(peak_measurer(work), target, limit)[0]
-    return _Menus(
+    return Menus(
         base_config=base_config,
         entries=entries,
         inner_of=inner_of,
@@ -656,6 +663,7 @@ def _measure_menus(
         spans=spans,
         stage_table=stage_table,
         stage_of={names[i]: g for g, first, last in groups for i in range(first, last + 1)},
+        through={e.name: end for e in candidates if (end := _block_run(e)) is not None},
     )
 
 
@@ -702,7 +710,7 @@ def level_signature(plan: Any, level: int) -> tuple[Any, ...]:
     )
 
 
-def _step_seconds(work: Workload, target: int) -> float:
+def step_seconds(work: Workload, target: int) -> float:
     """The step time at ``target`` of what is applied now: measured at the small batches after a
     warm-up each, proportional to the batch."""
     points = []
@@ -753,7 +761,7 @@ def _uniform_levels(
                 elif plain:  # checkpoints nothing: the plain step, timed as base_time already
                     seconds = floor
                 else:
-                    seconds = max(floor, _step_seconds(work, target))
+                    seconds = max(floor, step_seconds(work, target))
             out[level] = {"peak": peak, "fits": fits, "time": seconds}
     return dict(sorted(out.items()))
 
@@ -806,7 +814,7 @@ def plan_for_budget(
     target = batch_size or work.batch_size
     check_margin(margin)
     with model_restored(model, optimizer):
-        menus = _measure_menus(work, target, following_global(config), menu, budget_bytes)
+        menus = measure_menus(work, target, following_global(config), menu, budget_bytes)
         measured_in = time.perf_counter() - started
         step_peak = peak_measurer(work)
         goal = int(budget_bytes / (1 + margin))
@@ -846,7 +854,7 @@ def plan_for_budget(
             if choice is None or tuple(o.strategy for o in choice.options) in tried:
                 # The corrected model rules every plan out (the error of one plan is not every
                 # plan's): measure the plan that holds the least, once, before giving up.
-                choice = _least_memory(menus.blocks, menus.base + correction, menus.spans)
+                choice = least_memory(menus.blocks, menus.base + correction, menus.spans)
                 if tuple(o.strategy for o in choice.options) in tried:
                     break
             chosen, measured = measure(tuple(o.strategy for o in choice.options))
@@ -856,7 +864,7 @@ def plan_for_budget(
             # the model was short by `error` on this plan; ask the next one for at least that
             error = measured - (choice.peak - correction)
             correction = max(error, correction + measured - goal)
-        least = _least_memory(menus.blocks, menus.base, menus.spans)
+        least = least_memory(menus.blocks, menus.base, menus.spans)
         key = tuple(o.strategy for o in least.options)
         if best is None and key not in tried:  # the last resort, measured once
             chosen, measured = measure(key)
@@ -870,7 +878,7 @@ def plan_for_budget(
             plan_time = floor  # no checkpointing: the plain step, base_time itself
         elif best is not None:
             with applied(model, menus.config_for(best[1])):
-                plan_time = max(floor, _step_seconds(work, target))
+                plan_time = max(floor, step_seconds(work, target))
         fastest = _fastest_uniform(uniform)
         level_check: FitCheck | None = None
         if fastest is not None and (plan_time is None or uniform[fastest]["time"] < plan_time):
@@ -957,7 +965,7 @@ def planner_frontier(
     work = Workload(model, example_input, loss_fn or default_loss, optimizer)
     target = batch_size or work.batch_size
     with model_restored(model, optimizer):
-        menus = _measure_menus(work, target, following_global(config), menu, None)
+        menus = measure_menus(work, target, following_global(config), menu, None)
     lowest = menus.base + min(_uniform_peak(menus.blocks, option) for option in STRATEGIES)
     found: dict[tuple[str, ...], dict[str, Any]] = {}
     for i in range(points):
@@ -982,7 +990,7 @@ def planner_frontier(
     return sorted(found.values(), key=lambda p: p["peak"])
 
 
-def _least_memory(blocks: Sequence[Block], base: int, spans: Sequence[Span] = ()) -> Choice:
+def least_memory(blocks: Sequence[Block], base: int, spans: Sequence[Span] = ()) -> Choice:
     """Per block the option that keeps the fewest bytes (ties: the smaller transient, then the
     faster), and each stage that keeps fewer than its blocks would. Kept + transient would not
     tell them apart: for full and selective alike it is the block's keep bytes, since what is

@@ -464,6 +464,74 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     return 0 if best is not None else 1
 
 
+def _cmd_derive(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .derive import derive_preset
+
+    model = _create_model(args, args.device)
+    console = _console()
+    shape = _input_shape(args, model, console)
+    example = _input_for(shape, 2, args.device)
+    with console.status(f"deriving levels for {args.model} at batch {args.batch_size}"):
+        found = derive_preset(
+            model, example, args.batch_size, floor=not args.no_floor, compare=not args.no_compare
+        )
+    table = Table(
+        title=(
+            f"{args.model}: derived levels at batch {found.batch_size}, input "
+            f"{tuple(found.input_shape)}, {args.device}"
+        )
+    )
+    rows = found.table()
+    columns = ["level", "peak", "time (predicted)"]
+    if found.floor:
+        columns.append("x floor")
+    if found.compared is not None:
+        columns.append(f"bundled '{found.bundled}'")
+    for column in columns:
+        table.add_column(column, justify="right")
+    table.add_column("plan")
+    for row in rows:
+        cells = [
+            str(row["level"]),
+            _fmt_bytes(row["peak"]),
+            "-" if row["time"] is None else f"{row['time']:.2f}x",
+        ]
+        if found.floor:
+            cells.append(f"{row['x_floor']:.2f}")
+        if found.compared is not None:
+            cells.append(_fmt_bytes(row.get("bundled")) if row["level"] else "-")
+        table.add_row(*cells, row["plan"])
+    table.caption = (
+        "Peaks: live tensor bytes above the parameters, predicted for the batch from two small "
+        "batches measured; times: the planner's prices of the same measurements."
+        + (f" Physical floor: {_fmt_bytes(found.floor)}." if found.floor else "")
+        + f" Derived in {found.seconds:.0f} s."
+    )
+    console.print(table)
+    if args.out:
+        Path(args.out).write_text(found.to_yaml())
+        console.print(
+            f"wrote {args.out}: use it with vision_ckpt.register_preset(name, {args.out!r}) and "
+            "preset: name, or copy its rules into a config"
+        )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "levels": rows,
+                    "floor": found.floor,
+                    "seconds": found.seconds,
+                    "batch_size": found.batch_size,
+                },
+                indent=2,
+            )
+        )
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def _plot_fit(result: Any, path: str) -> None:
     import matplotlib
 
@@ -596,6 +664,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="write a bar chart of batch per level (PNG)")
     p.set_defaults(run=_cmd_fit)
+
+    p = sub.add_parser(
+        "derive", help="levels 1-5 derived by measurement, written as a preset (any model)"
+    )
+    model_args(p, 32)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--out", default=None, help="write the derived preset here (YAML)")
+    p.add_argument("--json", default=None, help="write the per-level figures to this JSON file")
+    p.add_argument("--no-floor", action="store_true", help="skip the physical floor")
+    p.add_argument(
+        "--no-compare", action="store_true", help="skip measuring the bundled preset's levels"
+    )
+    p.set_defaults(run=_cmd_derive)
 
     p = sub.add_parser("presets", help="list the bundled presets")
     p.add_argument("filter", nargs="?", default=None, help="a glob on preset names")

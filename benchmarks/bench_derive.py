@@ -1,0 +1,196 @@
+"""Derived levels against the hand-tuned presets, the structural fallback and timm's switch.
+
+For each model: ``vision_ckpt.derive_preset`` at the batch (its own measurements: small
+batches), then every variant runs real steps at the batch, side by side in one process:
+
+- ``L0``: no checkpointing;
+- ``D1``..``D5``: the derived levels (a level marked as the level below's plan is skipped);
+- ``P<k>``: the bundled preset's levels 2, 3 and its top distinct level, where one exists;
+- ``F<k>``: the structural fallback's top distinct level (``fallback_rules``), for models with
+  no preset;
+- ``timm``: timm's own switch (``set_grad_checkpointing``), where the model has one.
+
+Peak: live tensor storage above what was live before the step (``track_peak_memory``,
+deterministic). Time: process CPU seconds of a step, the median over interleaved rounds of the
+ratio to L0 in the same round (``--reps``). BatchNorm statistics after the first step are
+compared with L0's (``bn_exact``).
+
+    python benchmarks/bench_derive.py --threads 2 --reps 2 --out benchmarks/results/derive_b32
+    python benchmarks/bench_derive.py --models efficientvit_b0,levit_128 --threads 2 \
+        --out benchmarks/results/derive_nopreset_b32
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+
+import vision_ckpt
+from vision_ckpt._memory import track_peak_memory
+from vision_ckpt._planner import level_signature
+from vision_ckpt.derive import derive_preset
+from vision_ckpt.presets import fallback_rules, preset_for_model
+
+MODELS = (
+    "resnet50",
+    "convnext_tiny",
+    "vit_small_patch16_224",
+    "efficientnet_b0",
+    "swin_tiny_patch4_window7_224",
+    "densenet121",
+)
+MB = 2**20
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    for p in model.parameters():
+        p.grad = None
+    F.cross_entropy(model(x), y).backward()
+
+
+def _peak(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    with track_peak_memory(model, x, y) as mem:
+        F.cross_entropy(model(x), y).backward()
+    return mem.peak_bytes - mem.start_bytes
+
+
+def _bn(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    return {n: b.clone() for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in names}
+
+
+def _distinct_top(model: torch.nn.Module, config: dict[str, Any]) -> int:
+    """The lowest level that runs the same regions as level 5."""
+    plan = vision_ckpt.plan(model, config)
+    top = 5
+    while top > 1 and level_signature(plan, top - 1) == level_signature(plan, 5):
+        top -= 1
+    return top
+
+
+def _variants(name: str, model: torch.nn.Module, found: Any) -> list[tuple[str, Any, str]]:
+    out: list[tuple[str, Any, str]] = [("L0", copy.deepcopy(model), "")]
+    for lv in found.levels:
+        if lv.same_as is None:
+            m = copy.deepcopy(model)
+            vision_ckpt.apply(m, found.config(lv.level))
+            out.append((f"D{lv.level}", m, ""))
+    preset = preset_for_model(model)
+    if preset is not None:
+        top = _distinct_top(model, {"preset": preset})
+        for level in sorted({2, 3, top}):
+            m = copy.deepcopy(model)
+            vision_ckpt.apply(m, {"preset": preset, "training_checkpoint_level": level})
+            out.append((f"P{level}", m, preset))
+    else:
+        rules = [r.model_dump(exclude_defaults=True) for r, _ in fallback_rules(model)]
+        config = {"preset": None, "rules": rules}
+        top = _distinct_top(model, config)
+        m = copy.deepcopy(model)
+        vision_ckpt.apply(m, {**config, "training_checkpoint_level": top})
+        out.append((f"F{top}", m, "fallback"))
+    if hasattr(model, "set_grad_checkpointing"):
+        m = copy.deepcopy(model)
+        try:
+            m.set_grad_checkpointing(True)
+            out.append(("timm", m, ""))
+        except Exception as exc:  # some timm models do not implement it
+            print(f"  {name}: no timm switch ({type(exc).__name__}: {exc})")
+    return out
+
+
+def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=1000).train()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, img, img, generator=gen)
+    y = torch.randint(0, 1000, (batch,), generator=gen)
+    started = time.perf_counter()
+    found = derive_preset(copy.deepcopy(model), x[:2].clone(), batch)
+    derive_s = time.perf_counter() - started
+    print(found, flush=True)
+    predicted = {f"D{lv.level}": lv.peak for lv in found.levels}
+    runs = _variants(name, model, found)
+    rows: dict[str, dict[str, Any]] = {}
+    reference = None
+    for label, m, source in runs:
+        torch.manual_seed(1)
+        _step(m, x, y)
+        bn = _bn(m)
+        reference = reference or bn
+        exact = all(torch.equal(bn[k], reference[k]) for k in reference)
+        peak = _peak(m, x, y)
+        rows[label] = {
+            "model": name,
+            "batch": batch,
+            "variant": label,
+            "source": source,
+            "peak_mb": round(peak / MB, 1),
+            "predicted_mb": round(predicted[label] / MB, 1) if label in predicted else None,
+            "bn_exact": exact,
+            "time_ratio": None,
+            "x_floor": round(peak / found.floor, 2) if found.floor else None,
+            "derive_s": round(derive_s, 1) if label == "L0" else None,
+        }
+        print(f"  {label:>5}: peak {peak / MB:8.1f} MiB, bn exact {exact}", flush=True)
+    ratios: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+    for round_ in range(reps):
+        times = {}
+        shift = round_ * len(runs) // max(1, reps)
+        for label, m, _ in runs[shift:] + runs[:shift]:
+            start = time.process_time()
+            _step(m, x, y)
+            times[label] = time.process_time() - start
+        for label in times:
+            ratios[label].append(times[label] / times["L0"])
+        print(f"  round {round_ + 1}: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
+    for label, r in ratios.items():
+        rows[label]["time_ratio"] = round(statistics.median(r), 3)
+    return list(rows.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", default="derive_out")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    data = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    data.update(
+        command="python benchmarks/bench_derive.py " + " ".join(argv or sys.argv[1:]),
+        clock="process CPU seconds, median over rounds of the ratio to L0",
+        meter="live tensor storage (track_peak_memory), MiB above the step's start",
+        threads=torch.get_num_threads(),
+    )
+    for name in args.models.split(","):
+        rows = bench_model(name, args.batch_size, args.reps, args.img_size)
+        data["rows"] = [r for r in data["rows"] if r["model"] != name] + rows
+        path.write_text(json.dumps(data, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Levels derived by measurement (issue 26): ``vision_ckpt.derive_preset`` and ``vision-ckpt
+derive``. Exactness of every derived level is the oracle, as for the bundled presets; the
+regions come from the trace alone, so a hand-built model with no preset derives too."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import vision_ckpt
+from vision_ckpt import derive_preset
+from vision_ckpt.cli import main
+from vision_ckpt.derive import regions_of
+from vision_ckpt.errors import ConfigError
+
+
+class _Block(nn.Module):
+    """A residual unit: conv-norm-act, conv-norm, dropout, add."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.norm1 = nn.BatchNorm2d(width)
+        self.act = nn.GELU()
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.norm2 = nn.BatchNorm2d(width)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.norm2(self.conv2(self.act(self.norm1(self.conv1(x))))))
+
+
+class _Net(nn.Module):
+    """No library, no preset: a stem run, a stack of blocks, a head."""
+
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.act = nn.SiLU()
+        self.body = nn.Sequential(*[_Block(width) for _ in range(depth)])
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.body(self.act(self.bn(self.conv(x))))
+        return self.head(self.pool(x).flatten(1))
+
+
+@pytest.fixture(scope="module")
+def derived() -> tuple[nn.Module, vision_ckpt.DerivedPreset]:
+    torch.manual_seed(0)
+    model = _Net()
+    found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16)
+    return model, found
+
+
+def test_regions_come_from_the_trace_alone() -> None:
+    model = _Net()
+    regions = regions_of(model, torch.randn(2, 3, 16, 16))
+    assert [s.label for s in regions.units] == [
+        "conv..act",
+        "body.0",
+        "body.1",
+        "body.2",
+        "body.3",
+        "pool",
+        "head",
+    ]
+    # inner regions: cut before each child with a kernel, light layers after it join it
+    assert [p.label for p in regions.inner["body.0"]] == [
+        "body.0.conv1..act",
+        "body.0.conv2..drop",
+    ]
+    assert [s.name for s in regions.stages] == ["body"]
+
+
+def test_resnet_bottleneck_pieces_hold_one_conv_each() -> None:
+    model = timm.create_model("resnet50", pretrained=False, num_classes=10)
+    regions = regions_of(model, torch.randn(2, 3, 32, 32))
+    assert [s.label for s in regions.units][:2] == ["conv1..maxpool", "layer1.0"]
+    assert [p.label for p in regions.inner["layer1.1"]] == [
+        "layer1.1.conv1..act1",
+        "layer1.1.conv2..aa",
+        "layer1.1.conv3..bn3",
+    ]
+
+
+def test_every_derived_level_is_exact(derived, assert_exact, exact_step) -> None:
+    model, found = derived
+    x = torch.randn(8, 3, 32, 32)
+    reference = exact_step(copy.deepcopy(model), x)
+    for level in range(1, 6):
+        m = copy.deepcopy(model)
+        vision_ckpt.apply(m, found.config(level))
+        assert_exact(exact_step(m, x), reference)
+
+
+def test_levels_grow_and_lower_the_peak(derived) -> None:
+    model, found = derived
+    assert [lv.level for lv in found.levels] == [1, 2, 3, 4, 5]
+    peaks = [found.peak0] + [lv.peak for lv in found.levels]
+    assert all(b <= a for a, b in zip(peaks, peaks[1:], strict=False)), peaks
+    assert found.levels[-1].peak < found.peak0 * 0.8, peaks
+    # each level checkpoints at least what the level below does: regions only get added
+    plan = vision_ckpt.plan(model, found.config())
+    below: set[str] = set()
+    for level in range(1, 6):
+        now = set(plan.at_level(level).checkpointed)
+        assert below <= now or found.levels[level - 1].same_as is not None
+        below = now
+    # a level marked as the one below runs that plan, and lowered the peak by under 5 %
+    for lv in found.levels:
+        if lv.same_as is not None:
+            below_peak = found.peak0 if lv.same_as == 0 else found.levels[lv.same_as - 1].peak
+            assert lv.peak == below_peak
+
+
+def test_the_floor_is_below_every_level(derived) -> None:
+    _, found = derived
+    assert found.floor is not None and 0 < found.floor <= min(lv.peak for lv in found.levels)
+    rows = found.table()
+    assert [r["level"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert all(r["x_floor"] >= 1.0 for r in rows)
+
+
+def test_the_preset_file_round_trips(derived, tmp_path: Path, scratch_registry) -> None:
+    model, found = derived
+    path = tmp_path / "derived.yaml"
+    path.write_text(found.to_yaml())
+    vision_ckpt.register_preset("derived_net", path)
+    assert vision_ckpt.load_preset("derived_net").rules == tuple(found.rules)
+    ours = vision_ckpt.plan(model, found.config(5))
+    loaded = vision_ckpt.plan(model, {"preset": "derived_net", "training_checkpoint_level": 5})
+    assert ours.checkpointed == loaded.checkpointed
+    assert f"family:\n  classes:\n  - {found.model_class}" in found.to_yaml()
+
+
+def test_a_model_with_nothing_to_checkpoint_is_refused() -> None:
+    with pytest.raises(ConfigError, match="found no region to checkpoint in Identity"):
+        derive_preset(nn.Identity(), torch.randn(2, 3, 8, 8), batch_size=4)
+
+
+def test_derive_compares_with_the_bundled_preset() -> None:
+    model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    found = derive_preset(model, torch.randn(2, 3, 64, 64), 16, floor=False, compare=True)
+    assert found.bundled == "resnet"
+    assert found.compared is not None and sorted(found.compared) == [1, 2, 3, 4, 5]
+    assert all(r["bundled"] > 0 for r in found.table()[1:])
+    assert "bundled resnet" in str(found)
+
+
+def test_cli_derive_prints_the_levels_and_writes_the_preset(
+    tmp_path: Path, capsys, scratch_registry
+) -> None:
+    out = tmp_path / "p.yaml"
+    rc = main(
+        [
+            "derive",
+            "--model",
+            "resnet18",
+            "--img-size",
+            "64",
+            "--batch-size",
+            "16",
+            "--no-compare",
+            "--out",
+            str(out),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert "derived levels at batch 16" in printed and "x floor" in printed
+    assert out.read_text().startswith("# Derived by vision_ckpt.derive_preset")
+    model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    vision_ckpt.register_preset("derived_resnet18", out)
+    plan = vision_ckpt.plan(model, {"preset": "derived_resnet18", "training_checkpoint_level": 5})
+    assert plan.checkpointed

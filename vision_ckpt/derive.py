@@ -1,0 +1,621 @@
+"""Levels derived by measurement, for a model nobody wrote a preset for (issue 26).
+
+:func:`derive_preset` traces one forward to find the model's candidate regions
+(``vision_ckpt._spans``), prices every way of running each of them at the target batch with
+the per-block planner's measurements (``vision_ckpt._planner``), and solves the planner's
+program at five memory goals between no checkpointing and the least memory the menus reach.
+Each level keeps what the level below checkpoints (the plan only grows with the level), so the
+five answers are one preset: rules in the bundled presets' vocabulary, readable, editable and
+applied like any other. Every level is measured, and the model's physical floor
+(``vision_ckpt.peak``) says how far each is from the best any region plan could do.
+
+See NOTE [ Regions from a trace ] for the spans the derivation offers, NOTE [ Five levels from
+one menu ] for how the levels are chosen, and docs/derive.md for measurements.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from ._extrapolate import extrapolated_peak, peak_measurer, small_batches
+from ._measure import LossFn, Workload, applied, default_loss, model_restored
+from ._memory import format_bytes
+from ._optimise import Block, Choice, Span as ChainSpan, choose
+from ._planner import Menus, least_memory, measure_menus
+from ._spans import Span, trace_spans
+from .config import CheckpointConfig, LevelRule
+from .errors import ConfigError
+from .levels import Level
+from .matching import exact_name_pattern
+from .peak import physical_floor
+from .presets import preset_for_model
+from .wrapper import training_level
+
+__all__ = ["DerivedLevel", "DerivedPreset", "Regions", "derive_preset", "regions_of"]
+
+# NOTE [ Regions from a trace ]
+#
+# The derivation knows no module name or class; every region it offers comes from the trace
+# (``trace_spans``) by these rules:
+#
+# - Units (what the planner's program chooses one option for, in forward order): the innermost
+#   blocks of repeated sequences (a residual block, a transformer layer, a dense layer); the
+#   longest runs of consecutive sibling calls outside every block (a stem conv-norm-act-pool);
+#   and the outermost other modules outside both that take part in the forward (a patch
+#   embedding, a downsampling layer, a transition, the head).
+# - Inner regions of a block (what a ``nested`` block checkpoints again while it is
+#   recomputed): its direct children, joined into runs where they form one, and cut so that
+#   each piece holds one child with weight matrices or kernels (a parameter of two or more
+#   dimensions) and the light layers after it; light layers before the first heavy one join it.
+#   A ResNet bottleneck gives conv1..act1 | conv2..act2 | conv3..bn3, a ViT layer its attention
+#   half and its MLP half. A block with fewer than two pieces has no nested option (nested
+#   recomputation of one piece is the block itself again).
+# - Stages: what holds a sequence of blocks may run as one selective region (the planner's
+#   ``stage`` option).
+# - Lean MLPs (``_lean``): not a region; tried on top of the levels (NOTE [ Five levels from one
+#   menu ]).
+
+_UNIT_LEVEL = Level(3)
+_INNER_LEVEL = Level(2)
+_STAGE_LEVEL = Level(4)
+
+
+def _inside(name: str, outer: str) -> bool:
+    return name.startswith(outer + ".") if outer else bool(name)
+
+
+def _heavy(module: nn.Module) -> bool:
+    """Whether a module holds a weight of two or more dimensions (a kernel or a matrix)."""
+    return any(p.dim() >= 2 for p in module.parameters())
+
+
+def _pieces(model: nn.Module, block: str, spans: Sequence[Span]) -> list[Span]:
+    """The inner regions of ``block`` (NOTE [ Regions from a trace ]): runs and modules among
+    its direct children, one heavy child each."""
+    children = [s for s in spans if s.kind == "module" and s.name.rpartition(".")[0] == block]
+    runs = [s for s in spans if s.kind == "run" and s.name.rpartition(".")[0] == block]
+    longest: list[Span] = []
+    for run in sorted(runs, key=lambda r: (-len(r.members), r.order)):
+        if not any(set(run.members) & set(o.members) for o in longest):
+            longest.append(run)
+    in_runs = {m for r in longest for m in r.members}
+    units = sorted(
+        [*longest, *(c for c in children if c.name not in in_runs)], key=lambda s: s.order
+    )
+    pieces: list[Span] = []
+    for unit in units:
+        if unit.kind == "module":
+            pieces.append(unit)
+            continue
+        # cut a run before each heavy member but the first
+        members = list(unit.members)
+        heavy = [i for i, m in enumerate(members) if _heavy(model.get_submodule(m))]
+        cuts = heavy[1:] if heavy else []
+        bounds = [0, *cuts, len(members)]
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            part = tuple(members[a:b])
+            if len(part) == 1:
+                pieces.append(Span("module", part[0], part, unit.order))
+            else:
+                last = part[-1].rpartition(".")[2]
+                pieces.append(Span("run", part[0], part, unit.order, through=last))
+    return [p for p in pieces if any(_heavy(model.get_submodule(m)) for m in p.members)]
+
+
+@dataclass(frozen=True)
+class Regions:
+    """The candidate regions of a traced model (NOTE [ Regions from a trace ])."""
+
+    units: list[Span]
+    """What the program chooses one option for, in forward order."""
+    inner: dict[str, list[Span]]
+    """Block -> its inner regions (blocks with two or more only)."""
+    stages: list[Span]
+    """What holds a sequence of blocks."""
+    lean: list[Span]
+    """MLPs that can run with the lean backward."""
+
+    def base_rules(self) -> list[LevelRule]:
+        """The rules that make the planner's candidates: units at level 3, inner regions at
+        level 2, stages at level 4 (NOTE [ Pricing the strategies of a block ] in _planner)."""
+        rules = [
+            *(_rule(s, _STAGE_LEVEL) for s in self.stages),
+            *(_rule(s, _UNIT_LEVEL) for s in self.units),
+            *(_rule(p, _INNER_LEVEL) for ps in self.inner.values() for p in ps),
+        ]
+        return rules
+
+
+def _rule(span: Span, level: int, **extra: Any) -> LevelRule:
+    rule: dict[str, Any] = {"match": exact_name_pattern(span.name), "level": level, **extra}
+    if span.kind == "run":
+        rule["through"] = span.through
+    return LevelRule(**rule)
+
+
+def regions_of(model: nn.Module, example_input: torch.Tensor) -> Regions:
+    """The regions :func:`derive_preset` chooses from, found by tracing one forward on
+    ``example_input`` (NOTE [ Regions from a trace ]); the model is left as it was.
+
+    >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+    ...                     *[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+    ...                       for _ in range(3)])
+    >>> [s.label for s in regions_of(net, torch.randn(2, 3, 16, 16)).units]
+    ['0..2', '3', '4', '5']
+    """
+    with model_restored(model, None), applied(model, CheckpointConfig(training_checkpoint_level=0)):
+        return _regions(model, trace_spans(model, example_input))
+
+
+def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
+    """Units, inner regions, stages and lean MLPs of a trace (NOTE [ Regions from a trace ])."""
+    blocks = [s for s in spans if s.kind == "block"]
+    blocks = [b for b in blocks if not any(_inside(o.name, b.name) for o in blocks)]
+    block_names = [b.name for b in blocks]
+
+    def in_block(name: str) -> bool:
+        return any(name == b or _inside(name, b) for b in block_names)
+
+    def holds_block(name: str) -> bool:
+        return any(_inside(b, name) for b in block_names)
+
+    runs = [
+        s
+        for s in spans
+        if s.kind == "run" and not any(in_block(m) or holds_block(m) for m in s.members)
+    ]
+    chosen_runs: list[Span] = []
+    for run in sorted(runs, key=lambda r: (-len(r.members), r.order)):
+        taken = {m for r in chosen_runs for m in r.members}
+        covered = any(m == t or _inside(m, t) or _inside(t, m) for m in run.members for t in taken)
+        if not covered:
+            chosen_runs.append(run)
+    in_runs = {m for r in chosen_runs for m in r.members}
+    others = [
+        s
+        for s in spans
+        if s.kind == "module"
+        and not in_block(s.name)
+        and not holds_block(s.name)
+        and not any(s.name == m or _inside(s.name, m) for m in in_runs)
+    ]
+    others = [o for o in others if not any(_inside(o.name, p.name) for p in others)]
+    units = sorted([*blocks, *chosen_runs, *others], key=lambda s: s.order)
+    inner = {b.name: _pieces(model, b.name, spans) for b in blocks}
+    inner = {b: ps for b, ps in inner.items() if len(ps) >= 2}
+    stages = [s for s in spans if s.kind == "stage"]
+    lean = [s for s in spans if s.kind == "lean"]
+    return Regions(units, inner, stages, lean)
+
+
+# NOTE [ Five levels from one menu ]
+#
+# The planner's menus (NOTE [ Pricing the strategies of a block ] in _planner) are measured once
+# at the target batch: per unit, the bytes and seconds of keep / selective / full / nested, and
+# per stage of selective as one region. Its program (NOTE [ One strategy per block ] in
+# _optimise) gives, for any memory goal, the fastest mix predicted to fit. The levels are five
+# goals on that curve, spaced evenly in the logarithm of the peak between no checkpointing (P0)
+# and the top level (Ptop):
+#
+#     goal(k) = P0 * (Ptop / P0) ** _SPACING[k]
+#
+# Ptop is the fastest mix within _TOP_SLACK of the least memory the menus reach: the last few
+# percent of memory cost a second recomputation everywhere and are not worth a level of their
+# own. _SPACING puts levels 2-4 in the lower half of the curve, where the hand-tuned presets put
+# theirs (levels 2 and 3 of ResNet-50, ConvNeXt-T, EfficientNet-B0 and Swin-T sit at 0.74-0.93
+# and 0.82-1.0 of that logarithmic distance), and level 1 where memory is cheap to win.
+#
+# Levels grow: level k may only move a unit up the order keep < selective < full < nested (a
+# stage from keep, and from a stage only to full or nested for all its blocks), so that every
+# level's plan is the level below plus more, which is what rules "from level k on" express
+# (a selective stage steps aside where full blocks start inside it, NOTE [ Selective regions
+# step aside ] in wrapper). Each level is then measured (the extrapolated step peak); a level
+# that does not lower the peak by _STEP from the level below is marked as that level's plan
+# and runs it. Lean MLPs, which are no region, are tried last, from the top level down: they
+# are added from the lowest level at which each addition still lowers that level's measured
+# peak by _LEAN_GAIN.
+
+_SPACING = (0.35, 0.75, 0.9, 0.97)
+_TOP_SLACK = 0.02
+_STEP = 0.05
+_LEAN_GAIN = 0.01
+_RANK = {"keep": 0, "selective": 1, "stage": 1, "full": 2, "nested": 3}
+
+
+def _allowed(previous: str, option: str) -> bool:
+    if previous == "stage":
+        return option in ("full", "nested")
+    if previous == "selective" and option == "stage":
+        return False
+    return _RANK[option] >= _RANK[previous]
+
+
+def _restricted(menus: Menus, previous: Sequence[str]) -> tuple[list[Block], list[ChainSpan]]:
+    """The menus with only the options that grow ``previous`` (NOTE [ Five levels from one
+    menu ]); a stage stays on offer only while all of its blocks are kept or in it."""
+    blocks = []
+    for block, before in zip(menus.blocks, previous, strict=True):
+        options = [o for o in block.options if _allowed(before, o.strategy)]
+        if before == "stage":
+            options = [o for o in options if o.strategy in ("full", "nested")]
+        blocks.append(Block(block.name, tuple(options)))
+    spans = [
+        s
+        for s in menus.spans
+        if all(previous[i] in ("keep", "stage") for i in range(s.first, s.last + 1))
+    ]
+    return blocks, spans
+
+
+def _key(choice: Choice) -> tuple[str, ...]:
+    return tuple(o.strategy for o in choice.options)
+
+
+def _least(blocks: Sequence[Block], base: int, spans: Sequence[ChainSpan]) -> Choice:
+    return least_memory(blocks, base, spans)
+
+
+@dataclass
+class DerivedLevel:
+    """One derived level: what it runs and what it was measured to cost."""
+
+    level: int
+    strategies: dict[str, str]
+    """Unit -> ``keep``, ``selective``, ``full``, ``nested`` or ``stage``."""
+    lean: tuple[str, ...] = ()
+    """MLPs run with the lean backward at this level."""
+    predicted_peak: int = 0
+    """The program's peak at the target batch (bytes)."""
+    predicted_time: float = 0.0
+    """The program's seconds per step at the target batch (the menus' prices)."""
+    peak: int = 0
+    """The step peak at the target batch, extrapolated from measured small batches."""
+    same_as: int | None = None
+    """The level below whose plan this level runs, when its own lowered the peak too little."""
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for strategy in self.strategies.values():
+            out[strategy] = out.get(strategy, 0) + 1
+        return {k: out[k] for k in ("selective", "stage", "full", "nested") if k in out}
+
+
+@dataclass
+class DerivedPreset:
+    """The answer of :func:`derive_preset`: five levels as one preset, and how they were found."""
+
+    model_class: str
+    """The qualified class the preset was derived on."""
+    batch_size: int
+    input_shape: tuple[int, ...]
+    """One sample's shape."""
+    rules: list[LevelRule]
+    """The preset's rules, in the bundled presets' vocabulary."""
+    levels: list[DerivedLevel]
+    """Levels 1-5."""
+    peak0: int
+    """Level 0's step peak at the batch (extrapolated from the small batches)."""
+    base_time: float
+    """Seconds per step with no checkpointing at the batch (measured, extrapolated)."""
+    floor: int | None = None
+    """The physical floor at the batch (``vision_ckpt.peak``), extrapolated from the small
+    batches; ``None`` if not measured."""
+    seconds: float = 0.0
+    """Wall time of the derivation."""
+    units: list[str] = field(default_factory=list)
+    """The units the program chose for, in forward order."""
+    compared: dict[int, int] | None = None
+    """The bundled preset's step peak per level at the batch, when the model has one and it
+    was asked for."""
+    bundled: str | None = None
+    """The bundled preset's name, if the model has one."""
+
+    def config(self, level: int | None = None) -> CheckpointConfig:
+        """The derived preset as a config (``preset`` off, its rules), at ``level`` if given.
+
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+        ...                     *[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        ...                       for _ in range(3)])
+        >>> found = derive_preset(net, torch.randn(2, 3, 16, 16), batch_size=16, floor=False)
+        >>> cfg = found.config(5)
+        >>> cfg.training_checkpoint_level, cfg.preset is None
+        (<Level.VERY_LARGE_MODULE: 5>, True)
+        """
+        update: dict[str, Any] = {}
+        if level is not None:
+            update["training_checkpoint_level"] = Level(level)
+        return CheckpointConfig(preset=None, rules=self.rules, **update)
+
+    def to_yaml(self) -> str:
+        """The preset file: a ``family:`` header naming the class, and the rules.
+
+        ``vision_ckpt.register_preset(name, path)`` loads it; bundled preset files have the same
+        form (``configs/presets/*.yaml``)."""
+        rules = [r.model_dump(exclude_defaults=True) for r in self.rules]
+        for rule in rules:
+            if isinstance(rule.get("level"), int):
+                rule["level"] = int(rule["level"])
+        head = (
+            f"# Derived by vision_ckpt.derive_preset for {self.model_class} at batch "
+            f"{self.batch_size}, input {list(self.input_shape)}.\n"
+            + "".join(
+                f"# level {lv.level}: "
+                + (
+                    f"= level {lv.same_as}"
+                    if lv.same_as is not None
+                    else f"peak {format_bytes(lv.peak)}, predicted "
+                    f"{lv.predicted_time / self.base_time:.2f}x time"
+                )
+                + "\n"
+                for lv in self.levels
+            )
+        )
+        body = {"family": {"classes": [self.model_class]}, "rules": rules}
+        return head + yaml.safe_dump(body, sort_keys=False)
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per level (0-5): peak, predicted time, distance to the floor, the bundled
+        preset's peak where compared."""
+        rows = [{"level": 0, "peak": self.peak0, "time": 1.0, "plan": "nothing checkpointed"}]
+        for lv in self.levels:
+            plan = (
+                f"= level {lv.same_as}"
+                if lv.same_as is not None
+                else ", ".join(f"{n} {s}" for s, n in lv.counts().items())
+                + (f", {len(lv.lean)} lean" if lv.lean else "")
+            )
+            rows.append(
+                {
+                    "level": lv.level,
+                    "peak": lv.peak,
+                    "time": lv.predicted_time / self.base_time if self.base_time else None,
+                    "plan": plan,
+                }
+            )
+        for row in rows:
+            if self.floor:
+                row["x_floor"] = row["peak"] / self.floor
+            if self.compared is not None:
+                row["bundled"] = self.compared.get(row["level"])
+        return rows
+
+    def __str__(self) -> str:
+        lines = [
+            f"derived levels for {self.model_class} at batch {self.batch_size} "
+            f"(input {list(self.input_shape)}), in {self.seconds:.0f} s"
+        ]
+        if self.floor:
+            lines.append(f"physical floor {format_bytes(self.floor)}")
+        for row in self.table():
+            text = f"  level {row['level']}: peak {format_bytes(row['peak']):>11}"
+            if row.get("time") is not None:
+                text += f", {row['time']:.2f}x time (predicted)"
+            if "x_floor" in row:
+                text += f", {row['x_floor']:.2f}x floor"
+            if row.get("bundled") is not None:
+                text += f", bundled {self.bundled}: {format_bytes(row['bundled'])}"
+            lines.append(text + f"; {row['plan']}")
+        return "\n".join(lines)
+
+
+def _first(sequence: Sequence[str], wanted: Sequence[str]) -> int | None:
+    """The first level (1-based) whose strategy is one of ``wanted``."""
+    return next((k + 1 for k, s in enumerate(sequence) if s in wanted), None)
+
+
+def _emit(
+    regions: Regions,
+    menus: Menus,
+    per_level: Sequence[dict[str, str]],
+    lean_from: int | None,
+) -> list[LevelRule]:
+    """Rules that run ``per_level[k - 1]`` at training level k (NOTE [ Five levels from one
+    menu ]): per unit a selective rung, a full rung and its inner regions, each from the first
+    level that uses it; per stage a selective rung from the first level it is chosen."""
+    units = {s.name: s for s in regions.units}
+    rules: list[LevelRule] = []
+    stages = {s.name: s for s in regions.stages}
+    for stage in dict.fromkeys(menus.stage_of.values()):
+        inside = [b.name for b in menus.blocks if menus.stage_of.get(b.name) == stage]
+        first = _first([lv.get(inside[0], "keep") for lv in per_level], ("stage",))
+        if first is not None:
+            rules.append(_rule(stages[stage], first, strategy="selective"))
+    for block in menus.blocks:
+        sequence = [lv.get(block.name, "keep") for lv in per_level]
+        span = units[block.name]
+        selective = _first(sequence, ("selective",))
+        full = _first(sequence, ("full", "nested"))
+        nested = _first(sequence, ("nested",))
+        if selective is not None:
+            rules.append(_rule(span, selective, strategy="selective"))
+        if full is not None:
+            rules.append(_rule(span, full))
+        if nested is not None:
+            rules += [_rule(p, nested) for p in regions.inner[block.name]]
+    if lean_from is not None:
+        rules += [_rule(s, lean_from, strategy="lean") for s in regions.lean]
+    # a unit missing from a level's plan (a level marked as level 0's) is kept there
+    return rules
+
+
+def _measured_peak(work: Workload, config: CheckpointConfig, level: int, target: int) -> int:
+    with applied(work.model, config), training_level(level):
+        return extrapolated_peak(peak_measurer(work), target, None)[0]
+
+
+def _floor_at(model: nn.Module, work: Workload, target: int, loss_fn: LossFn | None) -> int:
+    """The physical floor at ``target``, on the line through its value at the small batches
+    (the parameter gradients do not grow with the batch, the working sets do)."""
+    points = []
+    for b in small_batches(target):
+        found = physical_floor(model, work.batch(b), loss_fn)
+        points.append((b, found.floor_bytes))
+    (b1, v1), (b2, v2) = points
+    return int(v2 + (v2 - v1) * (target - b2) / (b2 - b1))
+
+
+def _plans(menus: Menus) -> list[tuple[dict[str, str], Choice]]:
+    """Levels 1-5 as unit -> strategy, with the program's answer, before measuring (NOTE [ Five
+    levels from one menu ])."""
+    names = [b.name for b in menus.blocks]
+    least = _least(menus.blocks, menus.base, menus.spans)
+    top_goal = int(least.peak * (1 + _TOP_SLACK))
+    top = choose(menus.blocks, menus.base, top_goal, spans=menus.spans) or least
+    goals = [int(menus.peak0 * (top.peak / menus.peak0) ** w) for w in _SPACING] + [top.peak]
+    previous: tuple[str, ...] = ("keep",) * len(names)
+    out = []
+    for goal in goals:
+        blocks, spans = _restricted(menus, previous)
+        choice = choose(blocks, menus.base, goal, spans=spans)
+        if choice is None:  # the growing plan cannot reach the goal: its least memory
+            choice = _least(blocks, menus.base, spans)
+        previous = _key(choice)
+        out.append((dict(zip(names, previous, strict=True)), choice))
+    return out
+
+
+def derive_preset(
+    model: nn.Module,
+    example_input: torch.Tensor,
+    batch_size: int | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    floor: bool = True,
+    compare: bool = False,
+) -> DerivedPreset:
+    """Levels 1-5 for ``model`` at ``batch_size``, derived by measurement: a preset.
+
+    Traces one forward for the candidate regions (NOTE [ Regions from a trace ]), prices each
+    unit's options at two small batches as the per-block planner does, chooses five levels on
+    the resulting memory/time curve that each grow the level below (NOTE [ Five levels from one
+    menu ]), and measures every level's step peak. Nothing about the model's library or classes
+    is used; the model's own checkpointing and any applied config are left as they were.
+
+    Args:
+        model: the model, on its device, in the state it trains in.
+        example_input: one input batch of any size (a sample's shape is what matters).
+        batch_size: the batch the levels are for (default: the example's).
+        loss_fn: maps the output to a scalar loss (default: mean of squares).
+        floor: also measure the physical floor (two more small steps).
+        compare: when a bundled preset knows the model, measure its levels' peaks too (ten
+            more small steps), for :meth:`DerivedPreset.table`.
+
+    Returns:
+        A :class:`DerivedPreset`: ``rules``, ``config(level)``, ``to_yaml()``, and per level its
+        peak and predicted time.
+
+    Raises:
+        ConfigError: the trace finds nothing to checkpoint.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+    ...                     *[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+    ...                       for _ in range(3)])
+    >>> found = derive_preset(net, torch.randn(2, 3, 16, 16), batch_size=16, floor=False)
+    >>> found.levels[-1].peak < found.peak0
+    True
+    """
+    started = time.perf_counter()
+    work = Workload(model, example_input, loss_fn or default_loss, None)
+    target = batch_size or work.batch_size
+    with model_restored(model, None):
+        regions = regions_of(model, work.batch(min(2, work.batch_size)))
+        if not regions.units:
+            raise ConfigError(
+                f"derive_preset found no region to checkpoint in {type(model).__name__}: its "
+                "trace has no repeated blocks, runs or submodules. Write rules for it instead."
+            )
+        base = CheckpointConfig(preset=None, rules=regions.base_rules())
+        menus = measure_menus(
+            work, target, base, ("keep", "selective", "full", "nested", "stage"), None
+        )
+        plans = _plans(menus)
+        per_level = [strategies for strategies, _ in plans]
+        config = CheckpointConfig(preset=None, rules=_emit(regions, menus, per_level, None))
+        levels = [
+            DerivedLevel(
+                level=k,
+                strategies=strategies,
+                predicted_peak=choice.peak,
+                predicted_time=menus.base_time + choice.time,
+                peak=_measured_peak(work, config, k, target),
+            )
+            for k, (strategies, choice) in enumerate(plans, start=1)
+        ]
+        lean_from = _lean_levels(work, regions, menus, per_level, levels, target)
+        _mark_steps(levels, menus.peak0, menus.base_time)
+        while lean_from is not None and levels[lean_from - 1].same_as is not None:
+            lean_from = lean_from + 1 if lean_from < len(levels) else None
+        per_level = [lv.strategies for lv in levels]
+        rules = _emit(regions, menus, per_level, lean_from)
+        floor_bytes = _floor_at(model, work, target, loss_fn) if floor else None
+        bundled = preset_for_model(model)
+        compared = None
+        if compare and bundled is not None:
+            own = CheckpointConfig(preset=bundled)
+            compared = {k: _measured_peak(work, own, k, target) for k in range(1, 6)}
+    return DerivedPreset(
+        model_class=f"{type(model).__module__}.{type(model).__qualname__}",
+        batch_size=target,
+        input_shape=tuple(example_input.shape[1:]),
+        rules=rules,
+        levels=levels,
+        peak0=menus.peak0,
+        base_time=menus.base_time,
+        floor=floor_bytes,
+        seconds=time.perf_counter() - started,
+        units=[b.name for b in menus.blocks],
+        compared=compared,
+        bundled=bundled,
+    )
+
+
+def _lean_levels(
+    work: Workload,
+    regions: Regions,
+    menus: Menus,
+    per_level: Sequence[dict[str, str]],
+    levels: list[DerivedLevel],
+    target: int,
+) -> int | None:
+    """The lowest level from which the lean MLPs are added, or ``None`` (NOTE [ Five levels
+    from one menu ]); updates the measured peaks of the levels that take them."""
+    if not regions.lean:
+        return None
+    lean_from = None
+    for k in range(len(levels), 0, -1):
+        config = CheckpointConfig(preset=None, rules=_emit(regions, menus, per_level, k))
+        peak = _measured_peak(work, config, k, target)
+        if peak > levels[k - 1].peak * (1 - _LEAN_GAIN):
+            break
+        levels[k - 1].peak = peak
+        levels[k - 1].lean = tuple(s.name for s in regions.lean)
+        lean_from = k
+    return lean_from
+
+
+def _mark_steps(levels: list[DerivedLevel], peak0: int, base_time: float) -> None:
+    """Mark each level that lowers the measured peak by less than _STEP from the level below
+    as running that level's plan (level 0: nothing checkpointed), with its figures."""
+    below: DerivedLevel | None = None
+    for lv in levels:
+        below_peak = below.peak if below is not None else peak0
+        if lv.peak <= below_peak * (1 - _STEP):
+            below = lv
+            continue
+        lv.same_as = below.level if below is not None else 0
+        lv.peak = below_peak
+        lv.strategies = dict(below.strategies) if below is not None else {}
+        lv.lean = below.lean if below is not None else ()
+        lv.predicted_peak = below.predicted_peak if below is not None else peak0
+        lv.predicted_time = below.predicted_time if below is not None else base_time
