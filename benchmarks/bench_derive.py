@@ -8,7 +8,12 @@ batches), then every variant runs real steps at the batch, side by side in one p
 - ``P<k>``: the bundled preset's levels 2, 3 and its top distinct level, where one exists;
 - ``F<k>``: the structural fallback's top distinct level (``fallback_rules``), for models with
   no preset;
-- ``timm``: timm's own switch (``set_grad_checkpointing``), where the model has one.
+- ``own``: the model library's own switch (timm's ``set_grad_checkpointing``, Hugging Face's
+  ``activation_checkpointing_enable``, MONAI's ``use_checkpoint``), where it has one.
+
+A model is a timm name or a spec as ``vision-ckpt`` takes it (``smp:MAnet(...)``,
+``monai:VNet(...)@1,64,64,64`` with one sample's shape after ``@``); the loss fits its output
+(``vision_ckpt.models.output_loss``).
 
 Peak: live tensor storage above what was live before the step (``track_peak_memory``,
 deterministic). Time: process CPU seconds of a step, the median over interleaved rounds of the
@@ -16,8 +21,8 @@ ratio to L0 in the same round (``--reps``). BatchNorm statistics after the first
 compared with L0's (``bn_exact``).
 
     python benchmarks/bench_derive.py --threads 2 --reps 2 --out benchmarks/results/derive_b32
-    python benchmarks/bench_derive.py --models efficientvit_b0,levit_128 --threads 2 \
-        --out benchmarks/results/derive_nopreset_b32
+    python benchmarks/bench_derive.py --models efficientvit_b0 levit_128 fastvit_t8 caformer_s18 \
+        --threads 2 --reps 2 --out benchmarks/results/derive_nopreset_b32
 """
 
 from __future__ import annotations
@@ -32,14 +37,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
-import torch.nn.functional as F
 
 import vision_ckpt
 from vision_ckpt._memory import track_peak_memory
 from vision_ckpt._planner import level_signature
 from vision_ckpt.derive import derive_preset
+from vision_ckpt.models import (
+    build_model,
+    default_input_shape,
+    output_loss,
+    own_switch,
+    parse_input_shape,
+)
 from vision_ckpt.presets import fallback_rules, preset_for_model
 
 MODELS = (
@@ -53,19 +63,34 @@ MODELS = (
 MB = 2**20
 
 
-def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+def _step(model: torch.nn.Module, x: torch.Tensor) -> None:
     for p in model.parameters():
         p.grad = None
-    F.cross_entropy(model(x), y).backward()
+    output_loss(model(x)).backward()
 
 
-def _peak(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+def _peak(model: torch.nn.Module, x: torch.Tensor) -> int:
     for p in model.parameters():
         p.grad = None
     gc.collect()
-    with track_peak_memory(model, x, y) as mem:
-        F.cross_entropy(model(x), y).backward()
+    with track_peak_memory(model, x) as mem:
+        output_loss(model(x)).backward()
     return mem.peak_bytes - mem.start_bytes
+
+
+def _model_and_input(text: str, batch: int, img: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """``spec`` or ``spec@C,H,W`` (``C,D,H,W``): a model spec as ``vision-ckpt`` takes it."""
+    spec, _, shape_text = text.partition("@")
+    model = build_model(spec, img_size=img if not shape_text else None)
+    shape = (
+        parse_input_shape(shape_text)
+        if shape_text
+        else (default_input_shape(model) or (3, img, img))
+    )
+    if not shape_text and len(shape) == 3:
+        shape = (shape[0], img, img)
+    gen = torch.Generator().manual_seed(0)
+    return model, torch.randn(batch, *shape, generator=gen)
 
 
 def _bn(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -103,24 +128,22 @@ def _variants(name: str, model: torch.nn.Module, found: Any) -> list[tuple[str, 
         m = copy.deepcopy(model)
         vision_ckpt.apply(m, {**config, "training_checkpoint_level": top})
         out.append((f"F{top}", m, "fallback"))
-    if hasattr(model, "set_grad_checkpointing"):
-        m = copy.deepcopy(model)
+    m = copy.deepcopy(model)
+    switch = own_switch(m)
+    if switch is not None:
         try:
-            m.set_grad_checkpointing(True)
-            out.append(("timm", m, ""))
+            switch.enable()
+            out.append(("own", m, switch.name))
         except Exception as exc:  # some timm models do not implement it
-            print(f"  {name}: no timm switch ({type(exc).__name__}: {exc})")
+            print(f"  {name}: {switch.name} failed ({type(exc).__name__}: {exc})")
     return out
 
 
 def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, Any]]:
     torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False, num_classes=1000).train()
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 3, img, img, generator=gen)
-    y = torch.randint(0, 1000, (batch,), generator=gen)
+    model, x = _model_and_input(name, batch, img)
     started = time.perf_counter()
-    found = derive_preset(copy.deepcopy(model), x[:2].clone(), batch)
+    found = derive_preset(copy.deepcopy(model), x[:2].clone(), batch, loss_fn=output_loss)
     derive_s = time.perf_counter() - started
     print(found, flush=True)
     predicted = {f"D{lv.level}": lv.peak for lv in found.levels}
@@ -129,11 +152,11 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
     reference = None
     for label, m, source in runs:
         torch.manual_seed(1)
-        _step(m, x, y)
+        _step(m, x)
         bn = _bn(m)
         reference = reference or bn
         exact = all(torch.equal(bn[k], reference[k]) for k in reference)
-        peak = _peak(m, x, y)
+        peak = _peak(m, x)
         rows[label] = {
             "model": name,
             "batch": batch,
@@ -153,7 +176,7 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
         shift = round_ * len(runs) // max(1, reps)
         for label, m, _ in runs[shift:] + runs[:shift]:
             start = time.process_time()
-            _step(m, x, y)
+            _step(m, x)
             times[label] = time.process_time() - start
         for label in times:
             ratios[label].append(times[label] / times["L0"])
@@ -165,7 +188,7 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--models", nargs="+", default=list(MODELS), help="names or specs")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--img-size", type=int, default=224)
     p.add_argument("--reps", type=int, default=2)
@@ -184,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         meter="live tensor storage (track_peak_memory), MiB above the step's start",
         threads=torch.get_num_threads(),
     )
-    for name in args.models.split(","):
+    for name in args.models:
         rows = bench_model(name, args.batch_size, args.reps, args.img_size)
         data["rows"] = [r for r in data["rows"] if r["model"] != name] + rows
         path.write_text(json.dumps(data, indent=1))

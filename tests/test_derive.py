@@ -5,6 +5,7 @@ regions come from the trace alone, so a hand-built model with no preset derives 
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,13 @@ def test_cli_derive_prints_the_levels_and_writes_the_preset(
     vision_ckpt.register_preset("derived_resnet18", out)
     plan = vision_ckpt.plan(model, {"preset": "derived_resnet18", "training_checkpoint_level": 5})
     assert plan.checkpointed
+
+
+def test_cli_profile_reports_the_floor(capsys) -> None:
+    argv = ["profile", "--model", "resnet18", "--img-size", "64", "--batch-size", "8"]
+    rc = main([*argv, "--levels", "0,3", "--steps", "1", "--floor"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert rc == 0
+    assert "physical floor" in printed and "no region plan peaks lower" in printed
+    ratios = [float(r) for r in re.findall(r"L\d (\d+\.\d+)x", printed.split("peaks over it:")[1])]
+    assert len(ratios) == 2 and all(r >= 1.0 for r in ratios) and ratios[1] < ratios[0]

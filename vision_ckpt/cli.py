@@ -171,6 +171,20 @@ def _profile_table(result: Any) -> Any:
     return table
 
 
+def _floor_line(floor: Any, result: Any) -> str:
+    """The floor, and each measured level's peak as a multiple of it."""
+    above = ", ".join(
+        f"L{e.level} {e.peak_bytes / floor.floor_bytes:.2f}x"
+        for e in result.levels
+        if e.skipped is None and e.peak_bytes
+    )
+    return (
+        f"physical floor {_fmt_bytes(floor.floor_bytes)} (no region plan peaks lower: "
+        f"{floor.operator} in {floor.phase} beside the parameter gradients); peaks over it: "
+        f"{above}"
+    )
+
+
 def _plot(result: Any, path: str, planned: list[dict[str, Any]] | None = None) -> None:
     import matplotlib
 
@@ -235,6 +249,13 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             loss_fn=output_loss,
         )
     console.print(_profile_table(result))
+    floor = None
+    if args.floor:
+        from .peak import physical_floor
+
+        with console.status(f"measuring the physical floor of {args.model}"):
+            floor = physical_floor(model, x, output_loss)
+        console.print(_floor_line(floor, result))
     planned: list[dict[str, Any]] = []
     if args.frontier:
         from .profile import planner_frontier
@@ -246,6 +267,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         data = result.to_dict()
         if args.frontier:
             data["planner_frontier"] = planned
+        if floor is not None:
+            data["floor_bytes"] = floor.floor_bytes
         Path(args.json).write_text(json.dumps(data, indent=2))
         console.print(f"wrote {args.json}")
     if args.plot:
@@ -468,6 +491,7 @@ def _cmd_derive(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .derive import derive_preset
+    from .models import output_loss
 
     model = _create_model(args, args.device)
     console = _console()
@@ -475,7 +499,12 @@ def _cmd_derive(args: argparse.Namespace) -> int:
     example = _input_for(shape, 2, args.device)
     with console.status(f"deriving levels for {args.model} at batch {args.batch_size}"):
         found = derive_preset(
-            model, example, args.batch_size, floor=not args.no_floor, compare=not args.no_compare
+            model,
+            example,
+            args.batch_size,
+            loss_fn=output_loss,
+            floor=not args.no_floor,
+            compare=not args.no_compare,
         )
     table = Table(
         title=(
@@ -619,6 +648,11 @@ def _parser() -> argparse.ArgumentParser:
         "--frontier",
         action="store_true",
         help="also the per-block planner's predicted trade at a range of budgets",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also the physical floor: the least any region plan could peak at (one more step)",
     )
     p.set_defaults(run=_cmd_profile)
 
