@@ -37,12 +37,13 @@ from ._measure import (
 from ._memory import count_saved_bytes, format_bytes
 from ._optimise import Block, Choice, Option, Span, choose, predict
 from ._search import check_margin
+from ._selective import HEAVY_OPS, SaveOps
 from .apply import plan as _plan, run_members
 from .config import CheckpointConfig, LevelRule, parse_memory_budget
 from .errors import ConfigError
 from .levels import Level
 from .matching import exact_name_pattern
-from .wrapper import HEAVY_OPS, SaveOps, training_level
+from .wrapper import training_level
 
 __all__ = [
     "BudgetPlan",
@@ -513,16 +514,26 @@ class Menus:
         )
 
 
-def measure_menus(
-    work: Workload,
-    target: int,
-    base_config: CheckpointConfig,
-    menu: tuple[str, ...],
-    limit: int | None,
-) -> Menus:
-    """Price every candidate block's menu at ``target`` (NOTE [ Pricing the strategies of a
-    block ]). The model must be restored by the caller."""
-    model = work.model
+@dataclass
+class _Setup:
+    """What :func:`measure_menus` measures: the candidate blocks and the configs it applies."""
+
+    names: list[str]
+    runs: dict[str, list[str]]
+    entries: list[Any]
+    inner_of: dict[str, list[str]]
+    inner_all: list[str]
+    uniform: dict[str, CheckpointConfig]
+    inner_only: CheckpointConfig
+    groups: list[tuple[str, int, int]]
+    stages: list[str]
+    every_stage: CheckpointConfig
+    candidates: list[Any]
+
+
+def _setup(model: torch.nn.Module, base_config: CheckpointConfig, menu: tuple[str, ...]) -> _Setup:
+    """The candidate blocks of ``base_config``'s plan, their inner regions and stages, and the
+    configs that run every block one way (NOTE [ Pricing the strategies of a block ])."""
     full_plan = _with_stage_blocks(model, base_config, _plan(model, base_config))
     candidates = _candidate_blocks(full_plan)
     if not candidates:
@@ -541,27 +552,45 @@ def measure_menus(
         n: [e.name for e in entries if e.name.startswith(n + ".") and e.rungs] for n in names
     }
     inner_all = [i for n in names for i in inner_of[n]]
-    uniform = {
-        s: _strategy_config(base_config, entries, dict.fromkeys(names, s), inner_of)
-        for s in ("selective", "full")
-    }
-    inner_only = _only(
-        base_config,
-        [LevelRule(match=exact_name_pattern(n), level=_INNER_LEVEL) for n in inner_all],
-    )
     groups = _stage_groups(full_plan, names) if "stage" in menu else []
-    stages = [g for g, _, _ in groups]
-    every_stage = _strategy_config(
-        base_config,
-        entries,
-        {names[first]: "stage" for _, first, _ in groups},
-        inner_of,
-        {names[first]: g for g, first, _ in groups},
+    return _Setup(
+        names=names,
+        runs=runs,
+        entries=entries,
+        inner_of=inner_of,
+        inner_all=inner_all,
+        uniform={
+            s: _strategy_config(base_config, entries, dict.fromkeys(names, s), inner_of)
+            for s in ("selective", "full")
+        },
+        inner_only=_only(
+            base_config,
+            [LevelRule(match=exact_name_pattern(n), level=_INNER_LEVEL) for n in inner_all],
+        ),
+        groups=groups,
+        stages=[g for g, _, _ in groups],
+        every_stage=_strategy_config(
+            base_config,
+            entries,
+            {names[first]: "stage" for _, first, _ in groups},
+            inner_of,
+            {names[first]: g for g, first, _ in groups},
+        ),
+        candidates=candidates,
     )
 
-    # Per strategy and block, (batch, bytes) and (batch, seconds) points.
-    kept: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
-    spent: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+
+_Points = dict[str, dict[str, list[tuple[int, float]]]]
+
+
+def _measure_points(
+    work: Workload, target: int, setup: _Setup, menu: tuple[str, ...]
+) -> tuple[_Points, _Points, list[tuple[int, float]]]:
+    """Per strategy and block, (batch, bytes) and (batch, seconds) points at the small batches,
+    and the plain step's (batch, seconds)."""
+    model, names, runs, stages = work.model, setup.names, setup.runs, setup.stages
+    kept: _Points = defaultdict(lambda: defaultdict(list))
+    spent: _Points = defaultdict(lambda: defaultdict(list))
     step_time: list[tuple[int, float]] = []
     for b in small_batches(target):
         x = work.batch(b)
@@ -569,28 +598,35 @@ def measure_menus(
             # a stage's own figures (what runs in it outside its blocks) go to the stage
             for n, v in _saved_by_block(work, x, [*names, *stages], runs).items():
                 kept["keep"][n].append((b, v))
-            times = _timed_forward(work, x, [*names, *stages], inner_all, runs)
+            times = _timed_forward(work, x, [*names, *stages], setup.inner_all, runs)
             step_time.append((b, measure_step_time(work, x)))  # warmed by the forwards above
         if stages:
-            with applied(model, every_stage):
+            with applied(model, setup.every_stage):
                 for g, v in _saved_by_block(work, x, stages, runs).items():
                     kept["stage"][g].append((b, v))
         for s in ("selective", "full"):
             if s in menu or (s == "full" and "nested" in menu):
-                with applied(model, uniform[s]):
+                with applied(model, setup.uniform[s]):
                     for n, v in _saved_by_block(work, x, names, runs).items():
                         kept[s][n].append((b, v))
-        if "nested" in menu and inner_all:
-            with applied(model, inner_only):
+        if "nested" in menu and setup.inner_all:
+            with applied(model, setup.inner_only):
                 for n, v in _saved_by_block(work, x, names, runs).items():
                     kept["inner"][n].append((b, v))
-        for g, first, last in groups:
+        for g, first, last in setup.groups:
             inside = [*names[first : last + 1], g]
             spent["stage"][g].append((b, sum(times.recomputed[n] for n in inside)))
         for n in names:
             spent["full"][n].append((b, times.total[n]))
             spent["selective"][n].append((b, times.recomputed[n]))
             spent["nested"][n].append((b, times.total[n] + times.inner[n]))
+    return kept, spent, step_time
+
+
+def _block_menus(
+    setup: _Setup, kept: _Points, spent: _Points, menu: tuple[str, ...], target: int
+) -> tuple[list[Block], list[dict[str, Any]]]:
+    """Each block's options at ``target``, and the same as a table."""
 
     def nbytes(points: list[tuple[int, float]]) -> int:
         return int(max(0.0, _line(points, target)))
@@ -600,23 +636,23 @@ def measure_menus(
 
     blocks: list[Block] = []
     table: list[dict[str, Any]] = []
-    for n in names:
+    for n in setup.names:
         keep_bytes = nbytes(kept["keep"][n])
         options = [Option("keep", keep_bytes, 0, 0.0)]
         for s in ("selective", "full"):
-            if s == "selective" and (spent["selective"][n] == spent["full"][n] or n in runs):
+            if s == "selective" and (spent["selective"][n] == spent["full"][n] or n in setup.runs):
                 # no operator it would keep (a max pool): selective is full, but warns; a run
                 # of sibling modules is one full region only
                 continue
             if s in menu:
                 k = nbytes(kept[s][n])
                 options.append(Option(s, k, max(0, keep_bytes - k), seconds(spent[s][n])))
-        if "nested" in menu and inner_of[n]:
+        if "nested" in menu and setup.inner_of[n]:
             k = nbytes(kept["full"][n])
             held = nbytes(kept["inner"][n])
             # while recomputed: the inner-checkpointed forward's bytes (its input is already in
             # k), then one inner region's activations during that region's own backward
-            share = max(0, keep_bytes - held) // len(inner_of[n])
+            share = max(0, keep_bytes - held) // len(setup.inner_of[n])
             options.append(
                 Option("nested", k, max(0, held - k) + share, seconds(spent["nested"][n]))
             )
@@ -630,40 +666,63 @@ def measure_menus(
                 },
             }
         )
+    return blocks, table
 
+
+def _stage_spans(
+    setup: _Setup, kept: _Points, spent: _Points, blocks: list[Block], target: int
+) -> tuple[list[Span], list[dict[str, Any]]]:
+    """Each stage as one selective region over its blocks' chain, and the same as a table."""
     spans, stage_table = [], []
-    for g, first, last in groups:
-        own = nbytes(kept["keep"][g])
+    for g, first, last in setup.groups:
+        own = int(max(0.0, _line(kept["keep"][g], target)))
         held = own + sum(blocks[i].options[0].kept for i in range(first, last + 1))
-        k = nbytes(kept["stage"][g])
-        option = Option("stage", max(0, k - own), max(0, held - k), seconds(spent["stage"][g]))
+        k = int(max(0.0, _line(kept["stage"][g], target)))
+        seconds = max(0.0, _proportional(spent["stage"][g], target))
+        option = Option("stage", max(0, k - own), max(0, held - k), seconds)
         spans.append(Span(g, first, last, option))
         stage_table.append(
             {
                 "name": g,
-                "blocks": names[first : last + 1],
+                "blocks": setup.names[first : last + 1],
                 "kept": option.kept,
                 "transient": option.transient,
                 "seconds": option.time,
             }
         )
+    return spans, stage_table
 
+
+def measure_menus(
+    work: Workload,
+    target: int,
+    base_config: CheckpointConfig,
+    menu: tuple[str, ...],
+    limit: int | None,
+) -> Menus:
+    """Price every candidate block's menu at ``target`` (NOTE [ Pricing the strategies of a
+    block ]). The model must be restored by the caller."""
+    setup = _setup(work.model, base_config, menu)
+    kept, spent, step_time = _measure_points(work, target, setup, menu)
+    blocks, table = _block_menus(setup, kept, spent, menu, target)
+    spans, stage_table = _stage_spans(setup, kept, spent, blocks, target)
     with training_level(0):
-        with applied(model, base_config):
+        with applied(work.model, base_config):
             peak0 = extrapolated_peak(peak_measurer(work), target, limit)[0]
+    names = setup.names
     return Menus(
         base_config=base_config,
-        entries=entries,
-        inner_of=inner_of,
+        entries=setup.entries,
+        inner_of=setup.inner_of,
         blocks=blocks,
         table=table,
         peak0=peak0,
         base=peak0 - sum(b.options[0].kept for b in blocks),
-        base_time=seconds(step_time),
+        base_time=max(0.0, _proportional(step_time, target)),
         spans=spans,
         stage_table=stage_table,
-        stage_of={names[i]: g for g, first, last in groups for i in range(first, last + 1)},
-        through={e.name: end for e in candidates if (end := _block_run(e)) is not None},
+        stage_of={names[i]: g for g, first, last in setup.groups for i in range(first, last + 1)},
+        through={e.name: end for e in setup.candidates if (end := _block_run(e)) is not None},
     )
 
 
@@ -816,79 +875,27 @@ def plan_for_budget(
     with model_restored(model, optimizer):
         menus = measure_menus(work, target, following_global(config), menu, budget_bytes)
         measured_in = time.perf_counter() - started
-        step_peak = peak_measurer(work)
         goal = int(budget_bytes / (1 + margin))
-
-        best: tuple[Choice, dict[str, str], int] | None = None
-        correction = 0
-        rounds = 0
-        smallest = menus.peak0
-        tried: set[tuple[str, ...]] = set()
-        checks: dict[tuple[str, ...], FitCheck | None] = {}
-
-        def measure(key: tuple[str, ...]) -> tuple[dict[str, str], int]:
-            """Block -> strategy of ``key`` and its extrapolated peak (level 0's if none)."""
-            nonlocal rounds, smallest
-            tried.add(key)
-            chosen = {b.name: s for b, s in zip(menus.blocks, key, strict=True)}
-            if all(s == "keep" for s in key):
-                return chosen, menus.peak0
-            with applied(model, menus.config_for(chosen)):
-                measured = extrapolated_peak(step_peak, target, budget_bytes)[0]
-                if measured <= goal:
-                    # on CUDA a real step at the target decides (NOTE [ Two meters ], _measure)
-                    check = confirm_fits(work, budget_bytes, target)
-                    checks[key] = check
-                    if check is not None and not check.fits:
-                        measured = (
-                            check.allocated_bytes
-                            if check.allocated_bytes is not None
-                            else max(measured, budget_bytes) + 1
-                        )
-            rounds += 1
-            smallest = min(smallest, measured)
-            return chosen, measured
-
-        while rounds < max_rounds:
-            choice = choose(menus.blocks, menus.base + correction, goal, spans=menus.spans)
-            if choice is None or tuple(o.strategy for o in choice.options) in tried:
-                # The corrected model rules every plan out (the error of one plan is not every
-                # plan's): measure the plan that holds the least, once, before giving up.
-                choice = least_memory(menus.blocks, menus.base + correction, menus.spans)
-                if tuple(o.strategy for o in choice.options) in tried:
-                    break
-            chosen, measured = measure(tuple(o.strategy for o in choice.options))
-            if measured <= goal:
-                best = (choice, chosen, measured)
-                break
-            # the model was short by `error` on this plan; ask the next one for at least that
-            error = measured - (choice.peak - correction)
-            correction = max(error, correction + measured - goal)
-        least = least_memory(menus.blocks, menus.base, menus.spans)
-        key = tuple(o.strategy for o in least.options)
-        if best is None and key not in tried:  # the last resort, measured once
-            chosen, measured = measure(key)
-            if measured <= goal:
-                best = (least, chosen, measured)
+        rounds = _Rounds(work, menus, target, budget_bytes, goal)
+        best = rounds.solve(max_rounds)
         base = following_global(config)
-        floor = menus.base_time
-        uniform = _uniform_levels(work, target, base, goal, budget_bytes, floor, menus.peak0)
-        plan_time = None
-        if best is not None and all(v == "keep" for v in best[1].values()):
-            plan_time = floor  # no checkpointing: the plain step, base_time itself
-        elif best is not None:
-            with applied(model, menus.config_for(best[1])):
-                plan_time = max(floor, step_seconds(work, target))
-        fastest = _fastest_uniform(uniform)
-        level_check: FitCheck | None = None
-        if fastest is not None and (plan_time is None or uniform[fastest]["time"] < plan_time):
-            with applied(model, base) as level_plan, training_level(fastest):
-                level_check = confirm_fits(work, budget_bytes, target)
-                checkpointed = list(level_plan.at_level(fastest).checkpointed)
-            if level_check is not None and not level_check.fits:
-                fastest = None  # the real step did not fit: keep the per-block plan
-        else:
-            fastest = None
+        versus = _versus_uniform(work, menus, base, target, budget_bytes, goal, best)
+    return _answer(menus, rounds, versus, best, base, target, budget_bytes, measured_in, started)
+
+
+def _answer(
+    menus: Menus,
+    rounds: _Rounds,
+    versus: _Versus,
+    best: _Best | None,
+    base: CheckpointConfig,
+    target: int,
+    budget_bytes: int,
+    measured_in: float,
+    started: float,
+) -> BudgetPlan:
+    """:func:`plan_for_budget`'s result: the faster of the per-block plan and the fastest
+    fitting uniform level, or no config when neither fits."""
     common: dict[str, Any] = {
         "budget_bytes": budget_bytes,
         "batch_size": target,
@@ -896,13 +903,12 @@ def plan_for_budget(
         "stage_candidates": menus.stage_table,
         "base_time": menus.base_time,
         "base_bytes": menus.base,
-        "rounds": rounds,
+        "rounds": rounds.count,
         "measure_seconds": measured_in,
-        "uniform": uniform,
+        "uniform": versus.uniform,
     }
-    if best is None:
-        per_block = None
-    else:
+    per_block = None
+    if best is not None:
         choice, chosen, measured = best
         per_block = BudgetPlan(
             config=menus.config_for(chosen),
@@ -911,21 +917,22 @@ def plan_for_budget(
             strategies=chosen,
             stages=[span.name for span in choice.spans],
             predicted_time=menus.base_time + choice.time,
-            step_time=plan_time,
-            check=checks.get(tuple(chosen.values())),
+            step_time=versus.plan_time,
+            check=rounds.checks.get(tuple(chosen.values())),
             seconds=time.perf_counter() - started,
             **common,
         )
+    fastest = versus.fastest
     if fastest is not None:
         return BudgetPlan(
             config=base.model_copy(update={"training_checkpoint_level": Level(fastest)}),
-            blocks=checkpointed,
-            predicted_peak=uniform[fastest]["peak"],
-            predicted_time=uniform[fastest]["time"],
-            step_time=uniform[fastest]["time"],
+            blocks=versus.checkpointed,
+            predicted_peak=versus.uniform[fastest]["peak"],
+            predicted_time=versus.uniform[fastest]["time"],
+            step_time=versus.uniform[fastest]["time"],
             uniform_level=fastest,
             per_block=per_block,
-            check=level_check,
+            check=versus.check,
             seconds=time.perf_counter() - started,
             **common,
         )
@@ -933,11 +940,120 @@ def plan_for_budget(
         return BudgetPlan(
             config=None,
             blocks=[],
-            predicted_peak=min([smallest, *(u["peak"] for u in uniform.values())]),
+            predicted_peak=min([rounds.smallest, *(u["peak"] for u in versus.uniform.values())]),
             seconds=time.perf_counter() - started,
             **common,
         )
     return per_block
+
+
+_Best = tuple[Choice, dict[str, str], int]
+
+
+class _Rounds:
+    """The planner's answers measured one after another, each over-budget one correcting the
+    model for the next (:func:`plan_for_budget`)."""
+
+    def __init__(
+        self, work: Workload, menus: Menus, target: int, budget_bytes: int, goal: int
+    ) -> None:
+        self.work, self.menus, self.target = work, menus, target
+        self.budget_bytes, self.goal = budget_bytes, goal
+        self.step_peak = peak_measurer(work)
+        self.count = 0
+        self.smallest = menus.peak0
+        self.tried: set[tuple[str, ...]] = set()
+        self.checks: dict[tuple[str, ...], FitCheck | None] = {}
+
+    def measure(self, key: tuple[str, ...]) -> tuple[dict[str, str], int]:
+        """Block -> strategy of ``key`` and its extrapolated peak (level 0's if none)."""
+        menus = self.menus
+        self.tried.add(key)
+        chosen = {b.name: s for b, s in zip(menus.blocks, key, strict=True)}
+        if all(s == "keep" for s in key):
+            return chosen, menus.peak0
+        with applied(self.work.model, menus.config_for(chosen)):
+            measured = extrapolated_peak(self.step_peak, self.target, self.budget_bytes)[0]
+            if measured <= self.goal:
+                # on CUDA a real step at the target decides (NOTE [ Two meters ], _measure)
+                check = confirm_fits(self.work, self.budget_bytes, self.target)
+                self.checks[key] = check
+                if check is not None and not check.fits:
+                    measured = (
+                        check.allocated_bytes
+                        if check.allocated_bytes is not None
+                        else max(measured, self.budget_bytes) + 1
+                    )
+        self.count += 1
+        self.smallest = min(self.smallest, measured)
+        return chosen, measured
+
+    def solve(self, max_rounds: int) -> _Best | None:
+        """The first measured answer that fits the goal, or ``None``."""
+        menus, goal = self.menus, self.goal
+        correction = 0
+        while self.count < max_rounds:
+            choice = choose(menus.blocks, menus.base + correction, goal, spans=menus.spans)
+            if choice is None or tuple(o.strategy for o in choice.options) in self.tried:
+                # The corrected model rules every plan out (the error of one plan is not every
+                # plan's): measure the plan that holds the least, once, before giving up.
+                choice = least_memory(menus.blocks, menus.base + correction, menus.spans)
+                if tuple(o.strategy for o in choice.options) in self.tried:
+                    break
+            chosen, measured = self.measure(tuple(o.strategy for o in choice.options))
+            if measured <= goal:
+                return choice, chosen, measured
+            # the model was short by `error` on this plan; ask the next one for at least that
+            error = measured - (choice.peak - correction)
+            correction = max(error, correction + measured - goal)
+        least = least_memory(menus.blocks, menus.base, menus.spans)
+        key = tuple(o.strategy for o in least.options)
+        if key not in self.tried:  # the last resort, measured once
+            chosen, measured = self.measure(key)
+            if measured <= goal:
+                return least, chosen, measured
+        return None
+
+
+@dataclass
+class _Versus:
+    """The per-block answer against the uniform levels (NOTE [ Never slower than a uniform
+    level ])."""
+
+    uniform: dict[int, dict[str, Any]]
+    plan_time: float | None
+    fastest: int | None
+    """The uniform level to return instead of the per-block answer, or ``None``."""
+    check: FitCheck | None = None
+    checkpointed: list[str] = field(default_factory=list)
+
+
+def _versus_uniform(
+    work: Workload,
+    menus: Menus,
+    base: CheckpointConfig,
+    target: int,
+    budget_bytes: int,
+    goal: int,
+    best: _Best | None,
+) -> _Versus:
+    floor = menus.base_time
+    uniform = _uniform_levels(work, target, base, goal, budget_bytes, floor, menus.peak0)
+    plan_time = None
+    if best is not None and all(v == "keep" for v in best[1].values()):
+        plan_time = floor  # no checkpointing: the plain step, base_time itself
+    elif best is not None:
+        with applied(work.model, menus.config_for(best[1])):
+            plan_time = max(floor, step_seconds(work, target))
+    fastest = _fastest_uniform(uniform)
+    if fastest is None or (plan_time is not None and uniform[fastest]["time"] >= plan_time):
+        return _Versus(uniform, plan_time, None)
+    with applied(work.model, base) as level_plan, training_level(fastest):
+        check = confirm_fits(work, budget_bytes, target)
+        checkpointed = list(level_plan.at_level(fastest).checkpointed)
+    if check is not None and not check.fits:
+        return _Versus(uniform, plan_time, None)  # the real step did not fit: the per-block plan
+    return _Versus(uniform, plan_time, fastest, check, checkpointed)
 
 
 def planner_frontier(

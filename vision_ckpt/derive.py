@@ -539,25 +539,7 @@ def derive_preset(
         menus = measure_menus(
             work, target, base, ("keep", "selective", "full", "nested", "stage"), None
         )
-        plans = _plans(menus)
-        per_level = [strategies for strategies, _ in plans]
-        config = CheckpointConfig(preset=None, rules=_emit(regions, menus, per_level, None))
-        levels = [
-            DerivedLevel(
-                level=k,
-                strategies=strategies,
-                predicted_peak=choice.peak,
-                predicted_time=menus.base_time + choice.time,
-                peak=_measured_peak(work, config, k, target),
-            )
-            for k, (strategies, choice) in enumerate(plans, start=1)
-        ]
-        lean_from = _lean_levels(work, regions, menus, per_level, levels, target)
-        _mark_steps(levels, menus.peak0, menus.base_time)
-        while lean_from is not None and levels[lean_from - 1].same_as is not None:
-            lean_from = lean_from + 1 if lean_from < len(levels) else None
-        per_level = [lv.strategies for lv in levels]
-        rules = _emit(regions, menus, per_level, lean_from)
+        levels, rules = _levels(work, regions, menus, target)
         floor_bytes = _floor_at(model, work, target, loss_fn) if floor else None
         bundled = preset_for_model(model)
         compared = None
@@ -578,6 +560,32 @@ def derive_preset(
         compared=compared,
         bundled=bundled,
     )
+
+
+def _levels(
+    work: Workload, regions: Regions, menus: Menus, target: int
+) -> tuple[list[DerivedLevel], list[LevelRule]]:
+    """Levels 1-5 chosen, measured, given lean MLPs and marked, and the rules that run them
+    (NOTE [ Five levels from one menu ])."""
+    plans = _plans(menus)
+    per_level = [strategies for strategies, _ in plans]
+    config = CheckpointConfig(preset=None, rules=_emit(regions, menus, per_level, None))
+    levels = [
+        DerivedLevel(
+            level=k,
+            strategies=strategies,
+            predicted_peak=choice.peak,
+            predicted_time=menus.base_time + choice.time,
+            peak=_measured_peak(work, config, k, target),
+        )
+        for k, (strategies, choice) in enumerate(plans, start=1)
+    ]
+    lean_from = _lean_levels(work, regions, menus, per_level, levels, target)
+    _mark_steps(levels, menus.peak0, menus.base_time)
+    while lean_from is not None and levels[lean_from - 1].same_as is not None:
+        lean_from = lean_from + 1 if lean_from < len(levels) else None
+    per_level = [lv.strategies for lv in levels]
+    return levels, _emit(regions, menus, per_level, lean_from)
 
 
 def _lean_levels(

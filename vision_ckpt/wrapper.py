@@ -72,7 +72,7 @@ import torch
 from torch import nn
 
 from . import _core
-from ._selective import HEAVY_OPS as HEAVY_OPS, SaveOps as SaveOps, bind_region
+from ._selective import bind_region
 from .errors import ConfigError
 from .levels import NESTING_MODES, Level, Nesting, is_checkpointed, is_group, parse_level
 
@@ -84,8 +84,7 @@ __all__ = [
 ]
 # Used by the install layer (vision_ckpt._install), not re-exported by the package:
 # Rung, Policy, choose_rung, lean_now, run_policy, run_segments, segment_size, ChainCall,
-# compile_note. HEAVY_OPS and SaveOps live in _selective (the selective operator policy) and
-# are named here too for the planner, which still imports them from this module.
+# compile_note.
 
 
 # The process-wide training level (not thread-local: DataParallel replicas run forward on their
