@@ -351,11 +351,30 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
         return 0 if suggestion.fits else 1
 
     result = plan_for_budget(model, x, args.budget, **question)
+    console.print(_plan_table(result, args.batch_size))
+    console.print(result.explain())
+    planned = _plan_report(result)
+    report["uniform"].update(planned.pop("uniform"))
+    report.update(planned)
+    if args.out and result.config is not None:
+        import yaml
+
+        Path(args.out).write_text(yaml.safe_dump(_config_data(result.config), sort_keys=False))
+        console.print(f"wrote {args.out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        console.print(f"wrote {args.json}")
+    return 0 if (result.config is not None or suggestion.fits) else 1
+
+
+def _plan_table(result: Any, batch_size: int) -> Any:
+    """suggest's second table: the fastest uniform level that fits, the per-block plan, and
+    which of the two is the answer."""
+    from rich.table import Table
+
     fastest = result.fastest_uniform()
     per_block = result if result.uniform_level is None else result.per_block
-    plan_table = Table(
-        title=f"fastest for {_fmt_bytes(result.budget_bytes)} at batch {args.batch_size}"
-    )
+    plan_table = Table(title=f"fastest for {_fmt_bytes(result.budget_bytes)} at batch {batch_size}")
     for column in ("", "predicted peak", "step time", "checkpointed", "answer"):
         plan_table.add_column(column, justify="right")
     if fastest is not None:
@@ -384,20 +403,28 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
         "measured at small batches and extrapolated, the same way for every row; the answer is "
         "never slower than the fastest uniform level that fits"
     )
-    console.print(plan_table)
-    console.print(result.explain())
-    report["uniform"]["fastest_level"] = fastest
-    report["uniform"]["levels"] = {str(k): v for k, v in result.uniform.items()}
-    report["plan"] = {
-        "fits": result.config is not None,
-        "uniform_level": result.uniform_level,
-        "predicted_peak": result.predicted_peak,
-        "predicted_time_s": result.predicted_time,
-        "step_time_s": result.step_time,
-        "base_time_s": result.base_time,
-        "strategies": result.strategies,
-        "seconds": result.seconds,
-        "config": None if result.config is None else _config_data(result.config),
+    return plan_table
+
+
+def _plan_report(result: Any) -> dict[str, Any]:
+    """suggest's JSON about the per-block plan and the uniform levels it was compared with."""
+    per_block = result if result.uniform_level is None else result.per_block
+    report: dict[str, Any] = {
+        "uniform": {
+            "fastest_level": result.fastest_uniform(),
+            "levels": {str(k): v for k, v in result.uniform.items()},
+        },
+        "plan": {
+            "fits": result.config is not None,
+            "uniform_level": result.uniform_level,
+            "predicted_peak": result.predicted_peak,
+            "predicted_time_s": result.predicted_time,
+            "step_time_s": result.step_time,
+            "base_time_s": result.base_time,
+            "strategies": result.strategies,
+            "seconds": result.seconds,
+            "config": None if result.config is None else _config_data(result.config),
+        },
     }
     if per_block is not None and per_block is not result:
         report["plan"]["per_block"] = {
@@ -405,15 +432,7 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
             "step_time_s": per_block.step_time,
             "strategies": per_block.strategies,
         }
-    if args.out and result.config is not None:
-        import yaml
-
-        Path(args.out).write_text(yaml.safe_dump(_config_data(result.config), sort_keys=False))
-        console.print(f"wrote {args.out}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        console.print(f"wrote {args.json}")
-    return 0 if (result.config is not None or suggestion.fits) else 1
+    return report
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
@@ -606,38 +625,34 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="vision-ckpt",
-        description="Activation checkpointing for vision models: levels 0-5, one training level.",
+def _model_args(p: argparse.ArgumentParser, batch: int | None) -> None:
+    """The arguments that name a model and its input."""
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a timm name (convnext_tiny) or a factory spec such as "
+        "'smp:Unet(encoder_name=\"resnet34\", classes=2)', "
+        "'monai:SwinUNETR(in_channels=1, out_channels=2)', "
+        "'hf:ViTForImageClassification(ViTConfig(num_hidden_layers=4))', "
+        "'torchvision:deeplabv3_resnet50(num_classes=21)' or 'package.module:function(...)' "
+        "(see docs/cli.md)",
     )
-    parser.add_argument("--version", action="version", version=f"vision-ckpt {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    if batch is not None:
+        p.add_argument("--batch-size", type=int, default=batch, help="batch size")
+    p.add_argument(
+        "--input-shape",
+        default=None,
+        help="one sample, C,H,W or C,D,H,W (default: the model's own, e.g. timm's "
+        "input_size; 3,224,224 with a note when it has none)",
+    )
+    p.add_argument("--img-size", type=int, default=None, help="input height and width")
+    p.add_argument("--config", default=None, help="a checkpoint config (.yaml/.yml/.json)")
 
-    def model_args(p: argparse.ArgumentParser, batch: int | None) -> None:
-        p.add_argument(
-            "--model",
-            required=True,
-            help="a timm name (convnext_tiny) or a factory spec such as "
-            "'smp:Unet(encoder_name=\"resnet34\", classes=2)', "
-            "'monai:SwinUNETR(in_channels=1, out_channels=2)', "
-            "'hf:ViTForImageClassification(ViTConfig(num_hidden_layers=4))', "
-            "'torchvision:deeplabv3_resnet50(num_classes=21)' or 'package.module:function(...)' "
-            "(see docs/cli.md)",
-        )
-        if batch is not None:
-            p.add_argument("--batch-size", type=int, default=batch, help="batch size")
-        p.add_argument(
-            "--input-shape",
-            default=None,
-            help="one sample, C,H,W or C,D,H,W (default: the model's own, e.g. timm's "
-            "input_size; 3,224,224 with a note when it has none)",
-        )
-        p.add_argument("--img-size", type=int, default=None, help="input height and width")
-        p.add_argument("--config", default=None, help="a checkpoint config (.yaml/.yml/.json)")
 
+def _measuring_commands(sub: Any) -> None:
+    """profile, plan and suggest."""
     p = sub.add_parser("profile", help="memory and time of a training step at each level")
-    model_args(p, 16)
+    _model_args(p, 16)
     p.add_argument("--levels", default="0-5", help="levels to profile, e.g. 0-5 or 0,3,5")
     p.add_argument("--steps", type=int, default=3, help="timed steps per level (median)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -657,14 +672,14 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_profile)
 
     p = sub.add_parser("plan", help="the modules a level checkpoints, as plan() reports them")
-    model_args(p, None)
+    _model_args(p, None)
     p.add_argument("--level", type=int, choices=range(6), default=3, help="training level")
     p.set_defaults(run=_cmd_plan)
 
     p = sub.add_parser(
         "suggest", help="the lowest level, and the fastest per-block plan, that fit a budget"
     )
-    model_args(p, 64)
+    _model_args(p, 64)
     p.add_argument("--budget", required=True, help="memory budget, e.g. 8GiB or '8 GB'")
     p.add_argument("--margin", type=float, default=0.05, help="share of the budget kept free")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -675,10 +690,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=_cmd_suggest)
 
+
+def _budget_commands(sub: Any) -> None:
+    """fit and derive."""
     p = sub.add_parser(
         "fit", help="the largest batch that fits a memory budget, at each level and own switch"
     )
-    model_args(p, None)
+    _model_args(p, None)
     p.add_argument("--budget", required=True, help="memory budget, e.g. 24GiB or '24 GB'")
     p.add_argument("--levels", default="0-5", help="levels to measure, e.g. 0-5 or 0,3,5")
     p.add_argument(
@@ -702,7 +720,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "derive", help="levels 1-5 derived by measurement, written as a preset (any model)"
     )
-    model_args(p, 32)
+    _model_args(p, 32)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default=None, help="write the derived preset here (YAML)")
     p.add_argument("--json", default=None, help="write the per-level figures to this JSON file")
@@ -711,6 +729,18 @@ def _parser() -> argparse.ArgumentParser:
         "--no-compare", action="store_true", help="skip measuring the bundled preset's levels"
     )
     p.set_defaults(run=_cmd_derive)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vision-ckpt",
+        description="Activation checkpointing for vision models: levels 0-5, one training level.",
+    )
+    parser.add_argument("--version", action="version", version=f"vision-ckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    _measuring_commands(sub)
+    _budget_commands(sub)
 
     p = sub.add_parser("presets", help="list the bundled presets")
     p.add_argument("filter", nargs="?", default=None, help="a glob on preset names")
