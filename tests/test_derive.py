@@ -192,3 +192,39 @@ def test_cli_profile_reports_the_floor(capsys) -> None:
     assert "physical floor" in printed and "no region plan peaks lower" in printed
     ratios = [float(r) for r in re.findall(r"L\d (\d+\.\d+)x", printed.split("peaks over it:")[1])]
     assert len(ratios) == 2 and all(r >= 1.0 for r in ratios) and ratios[1] < ratios[0]
+
+
+def test_preset_derived_is_resolved_once_on_an_input(monkeypatch, assert_exact, exact_step):
+    from vision_ckpt import derive as derive_module
+
+    with pytest.raises(ConfigError, match="preset 'derived' is measured on an input"):
+        vision_ckpt.apply(_Net(), {"preset": "derived", "training_checkpoint_level": 3})
+    calls = []
+    real = derive_module.derive_preset
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(derive_module, "derive_preset", counted)
+    monkeypatch.setattr(derive_module, "_DERIVED", {})
+    torch.manual_seed(0)
+    plain = _Net()
+    config = {
+        "preset": "derived",
+        "training_checkpoint_level": 5,
+        "rules": [{"match": "head", "level": 0}],  # the config's own rules come last and win
+    }
+    resolved = derive_module.resolve_derived(plain, torch.randn(2, 3, 32, 32), config, 16)
+    again = derive_module.resolve_derived(_Net(), torch.randn(4, 3, 32, 32), config, 16)
+    assert calls == [16] and resolved == again
+    assert resolved.rules[-1].match == "head" and resolved.preset is None
+    model = copy.deepcopy(plain)
+    the_plan = vision_ckpt.apply(model, resolved)
+    assert the_plan.checkpointed and "head" not in the_plan.checkpointed
+    x = torch.randn(8, 3, 32, 32)
+    assert_exact(exact_step(model, x), exact_step(plain, x))
+    with pytest.raises(
+        ConfigError, match="needs a config with preset 'derived'; got preset 'auto'"
+    ):
+        derive_module.resolve_derived(plain, x, {"preset": "auto"})

@@ -464,6 +464,14 @@ def _checked_save_ops(cfg: CheckpointConfig) -> tuple[str, ...] | None:
             "example_input, config), which returns the fastest per-block config that fits, "
             "and apply that; or give a level 0-5."
         )
+    if cfg.preset == "derived":
+        raise ConfigError(
+            "preset 'derived' is measured on an input, so it cannot be planned from the model "
+            "alone: resolve it first with vision_ckpt.derive.resolve_derived(model, "
+            "example_input, config) (cached per model class and input shape) and apply what "
+            "it returns; or write the derived preset once with `vision-ckpt derive --out` and "
+            "register it."
+        )
     save_ops = None
     if cfg.selective is not None:
         save_ops = cfg.selective.save_ops

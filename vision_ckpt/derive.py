@@ -38,7 +38,14 @@ from .peak import physical_floor
 from .presets import preset_for_model
 from .wrapper import training_level
 
-__all__ = ["DerivedLevel", "DerivedPreset", "Regions", "derive_preset", "regions_of"]
+__all__ = [
+    "DerivedLevel",
+    "DerivedPreset",
+    "Regions",
+    "derive_preset",
+    "regions_of",
+    "resolve_derived",
+]
 
 # NOTE [ Regions from a trace ]
 #
@@ -627,3 +634,55 @@ def _mark_steps(levels: list[DerivedLevel], peak0: int, base_time: float) -> Non
         lv.lean = below.lean if below is not None else ()
         lv.predicted_peak = below.predicted_peak if below is not None else peak0
         lv.predicted_time = below.predicted_time if below is not None else base_time
+
+
+# Derived presets of this process, per model class, sample shape, batch and device.
+_DERIVED: dict[tuple[str, tuple[int, ...], int, str], DerivedPreset] = {}
+
+
+def resolve_derived(
+    model: nn.Module,
+    example_input: torch.Tensor,
+    config: CheckpointConfig | dict[str, Any],
+    batch_size: int | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+) -> CheckpointConfig:
+    """The config to apply for ``preset: derived``: the derived preset's rules, then the
+    config's own (which override them, as after any preset).
+
+    The derivation (:func:`derive_preset`) runs once per model class, sample shape, batch and
+    device in a process; later calls reuse it.
+
+    Raises:
+        ConfigError: the config's preset is not ``derived``.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+    ...                     *[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+    ...                       for _ in range(3)])
+    >>> cfg = resolve_derived(net, torch.randn(2, 3, 16, 16),
+    ...                       {"preset": "derived", "training_checkpoint_level": 5}, 16)
+    >>> cfg.preset is None and len(cfg.rules) > 0
+    True
+    """
+    if isinstance(config, dict):
+        config = CheckpointConfig.model_validate(config)
+    if config.preset != "derived":
+        raise ConfigError(
+            f"resolve_derived needs a config with preset 'derived'; got preset "
+            f"{config.preset!r}. Apply that config directly instead."
+        )
+    target = batch_size or int(example_input.shape[0])
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    key = (
+        f"{type(model).__module__}.{type(model).__qualname__}",
+        tuple(example_input.shape[1:]),
+        target,
+        device,
+    )
+    if key not in _DERIVED:
+        _DERIVED[key] = derive_preset(model, example_input, target, loss_fn=loss_fn, floor=False)
+    rules = [*_DERIVED[key].rules, *config.rules]
+    return config.model_copy(update={"preset": None, "rules": tuple(rules)})
