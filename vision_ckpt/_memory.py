@@ -200,14 +200,33 @@ def count_saved_bytes(
     (1024, 1)
     """
     result = SavedBytes()
-    # Keyed by data pointer; the weak reference tells a storage seen before from a new storage
-    # that reuses the address of a freed one.
-    seen: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+    pack = _saved_bytes_pack_hook(result, _storage_pointers(exclude), region)
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield result
+
+
+def _storage_pointers(exclude: tuple[Any, ...]) -> set[int]:
+    """Data pointers of the storages behind ``exclude`` (as :func:`track_peak_memory`'s roots)."""
     excluded = set()
     for t in _root_tensors(exclude):
         storage = _storage_of(t)
         if storage is not None:
             excluded.add(storage.data_ptr())
+    return excluded
+
+
+def _saved_bytes_pack_hook(
+    result: SavedBytes, excluded: set[int], region: Callable[[], Hashable | None] | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The pack hook of :func:`count_saved_bytes`: adds each storage not seen before and not in
+    ``excluded`` to ``result``, and hands the tensor back unchanged."""
+    # Keyed by data pointer; the weak reference tells a storage seen before from a new storage
+    # that reuses the address of a freed one.
+    seen: dict[int, weakref.ref[torch.UntypedStorage]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = region() if region is not None else None
@@ -229,11 +248,7 @@ def count_saved_bytes(
                 if key is not None:
                     result.by_region[key] = result.by_region.get(key, 0) + storage.nbytes()
 
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield result
+    return pack
 
 
 # --------------------------------------------------------------------------------------------

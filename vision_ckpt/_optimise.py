@@ -197,8 +197,18 @@ def choose(
             relax(i, spans[s].last + 1, spans[s].option, -(s + 1))
     if not np.isfinite(best[n]).any():
         return None
-    p, j = int(np.argmin(best[n])), n
-    chosen: list[Option] = [blocks[0].options[0]] * n
+    chosen, taken = _trace_back(blocks, spans, picks, int(np.argmin(best[n])), unit)
+    peak, time = predict(blocks, chosen, base)
+    return Choice(tuple(chosen), peak, time, taken)
+
+
+def _trace_back(
+    blocks: Sequence[Block], spans: Sequence[Span], picks: list[np.ndarray], p: int, unit: int
+) -> tuple[list[Option], tuple[Span, ...]]:
+    """Walk :func:`choose`'s ``picks`` back from prefix ``p`` after the last block: the option
+    of every block, and the spans taken, first block first."""
+    j = len(blocks)
+    chosen: list[Option] = [blocks[0].options[0]] * j
     taken: list[Span] = []
     while j > 0:
         code = int(picks[j][p])
@@ -213,8 +223,7 @@ def choose(
             taken.append(span)
             j = span.first
         p -= math.ceil(option.kept / unit)
-    peak, time = predict(blocks, chosen, base)
-    return Choice(tuple(chosen), peak, time, tuple(reversed(taken)))
+    return chosen, tuple(reversed(taken))
 
 
 def choose_exhaustively(

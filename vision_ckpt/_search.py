@@ -287,38 +287,50 @@ def profile(
         steps=steps,
         meter=meter_for(work.device).name,
     )
-    by_level: dict[int, LevelProfile] = {}
     with model_restored(model, optimizer), applied(model, following_global(config)) as plan:
         if optimizer is not None:
             # One step first, so that every level is measured with the optimizer state present
             # (not only the first level measured, which would otherwise create it).
             with training_level(max(chosen)):
                 run_step(work, work.batch(2))
-        over_limit_from: int | None = None
-        for level in sorted(chosen, reverse=True):  # cheapest in memory first
-            entry = LevelProfile(level=level, regions=_regions_at(plan, level))
-            by_level[level] = entry
-            with training_level(level):
-                predicted = None
-                if over_limit_from is None and limit is not None:
-                    predicted = predict_peak(work, limit)
-                if over_limit_from is not None:
-                    entry.skipped = (
-                        f"not run: level {over_limit_from} already exceeded memory_limit"
-                    )
-                elif predicted is not None and predicted > limit:  # type: ignore[operator]
-                    entry.skipped = (
-                        f"not run: predicted peak {predicted} bytes exceeds memory_limit "
-                        f"{limit} bytes"
-                    )
-                    over_limit_from = level
-                else:
-                    _profile_level(entry, work, steps, flops)
-            if on_level is not None:
-                on_level(entry)
+        by_level = _profile_levels(work, plan, chosen, limit, steps, flops, on_level)
     result.levels = [by_level[level] for level in chosen]
     _fill_ratios(result)
     return result
+
+
+def _profile_levels(
+    work: Workload,
+    plan: Any,
+    chosen: list[int],
+    limit: int | None,
+    steps: int,
+    flops: bool,
+    on_level: Callable[[LevelProfile], None] | None,
+) -> dict[int, LevelProfile]:
+    """:func:`profile`'s levels, cheapest in memory first; once one is predicted over
+    ``limit``, it and every level below are skipped."""
+    by_level: dict[int, LevelProfile] = {}
+    over_limit_from: int | None = None
+    for level in sorted(chosen, reverse=True):  # cheapest in memory first
+        entry = LevelProfile(level=level, regions=_regions_at(plan, level))
+        by_level[level] = entry
+        with training_level(level):
+            predicted = None
+            if over_limit_from is None and limit is not None:
+                predicted = predict_peak(work, limit)
+            if over_limit_from is not None:
+                entry.skipped = f"not run: level {over_limit_from} already exceeded memory_limit"
+            elif predicted is not None and predicted > limit:  # type: ignore[operator]
+                entry.skipped = (
+                    f"not run: predicted peak {predicted} bytes exceeds memory_limit {limit} bytes"
+                )
+                over_limit_from = level
+            else:
+                _profile_level(entry, work, steps, flops)
+        if on_level is not None:
+            on_level(entry)
+    return by_level
 
 
 def _profile_level(entry: LevelProfile, work: Workload, steps: int, flops: bool) -> None:
@@ -395,30 +407,11 @@ def suggest_level(
     target = batch_size or work.batch_size
     if target < 1:
         raise ConfigError(f"batch_size={batch_size} is not valid; expected a positive integer")
-    predicted: dict[int, int] = {}
-    measured: dict[int, list[tuple[int, int]]] = {}
-    reserved: dict[int, list[tuple[int, int]]] = {}
-    chosen_level: int | None = None
-    check: FitCheck | None = None
-    rejected: dict[int, FitCheck] = {}
     with model_restored(model, optimizer):
         with applied(model, following_global(config)):
-            for level in sorted(chosen, reverse=True):  # cheapest in memory first
-                readings: list[tuple[int, StepMemory]] = []
-                with training_level(level):
-                    predicted[level], measured[level] = extrapolated_peak(
-                        peak_measurer(work, readings), target, budget_bytes
-                    )
-                reserved[level] = [(b, r.reserved) for b, r in readings if r.reserved is not None]
-            # The lowest level predicted to fit whose real step at the target fits too (on CUDA;
-            # elsewhere the prediction is the answer): NOTE [ Two meters ] in _measure.
-            for level in (lv for lv in chosen if predicted[lv] * (1 + margin) <= budget_bytes):
-                with training_level(level):
-                    result = confirm_fits(work, budget_bytes, target)
-                if result is None or result.fits:
-                    chosen_level, check = level, result
-                    break
-                rejected[level] = result
+            predicted, measured, reserved = _predict_levels(work, chosen, target, budget_bytes)
+            fitting = [lv for lv in chosen if predicted[lv] * (1 + margin) <= budget_bytes]
+            chosen_level, check, rejected = _confirm_lowest(work, fitting, budget_bytes, target)
     return Suggestion(
         level=chosen_level,
         budget_bytes=budget_bytes,
@@ -432,3 +425,38 @@ def suggest_level(
         check=check,
         rejected=rejected,
     )
+
+
+def _predict_levels(
+    work: Workload, chosen: list[int], target: int, budget_bytes: int
+) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]], dict[int, list[tuple[int, int]]]]:
+    """Per level, cheapest in memory first: the peak predicted at ``target``, the (batch,
+    peak) points it extrapolates from, and the (batch, reserved) points where the meter gives
+    them."""
+    predicted: dict[int, int] = {}
+    measured: dict[int, list[tuple[int, int]]] = {}
+    reserved: dict[int, list[tuple[int, int]]] = {}
+    for level in sorted(chosen, reverse=True):  # cheapest in memory first
+        readings: list[tuple[int, StepMemory]] = []
+        with training_level(level):
+            predicted[level], measured[level] = extrapolated_peak(
+                peak_measurer(work, readings), target, budget_bytes
+            )
+        reserved[level] = [(b, r.reserved) for b, r in readings if r.reserved is not None]
+    return predicted, measured, reserved
+
+
+def _confirm_lowest(
+    work: Workload, fitting: list[int], budget_bytes: int, target: int
+) -> tuple[int | None, FitCheck | None, dict[int, FitCheck]]:
+    """The lowest level predicted to fit whose real step at the target fits too (on CUDA;
+    elsewhere the prediction is the answer): NOTE [ Two meters ] in _measure. Returns it (or
+    ``None``), its check, and the levels whose real step did not fit."""
+    rejected: dict[int, FitCheck] = {}
+    for level in fitting:
+        with training_level(level):
+            result = confirm_fits(work, budget_bytes, target)
+        if result is None or result.fits:
+            return level, result, rejected
+        rejected[level] = result
+    return None, None, rejected
