@@ -350,6 +350,32 @@ def max_batch(
     >>> fit.row("own switch").label
     'own switch (set_grad_checkpointing())'
     """
+    shape, budget_bytes, small, chosen = _checked(input_shape, budget, margin, batches, levels)
+    device, example = _example_batch(model, shape, small[-1])
+    result = FitResult(
+        model=model_name or type(model).__name__,
+        input_shape=tuple(int(s) for s in shape),
+        device=str(device),
+        budget_bytes=budget_bytes,
+        margin=margin,
+        batches=small,
+        _tolerance=linear_tolerance,
+        _largest=largest,
+    )
+    work = Workload(model, example, loss_fn or output_loss, optimizer)
+    _fill_rows(result, work, config, chosen, include_own_switch, planner, time_steps, on_row)
+    return result
+
+
+def _checked(
+    input_shape: Sequence[int] | str,
+    budget: int | str,
+    margin: float,
+    batches: Sequence[int],
+    levels: Iterable[int],
+) -> tuple[tuple[int, ...], int, tuple[int, ...], list[int]]:
+    """:func:`max_batch`'s arguments checked: the sample's shape, the budget in bytes, the
+    small batches and the levels, sorted."""
     shape = parse_input_shape(input_shape) if isinstance(input_shape, str) else tuple(input_shape)
     if len(shape) not in (3, 4) or any(int(s) < 1 for s in shape):
         raise ConfigError(
@@ -362,56 +388,80 @@ def max_batch(
     chosen = sorted({int(parse_level(v, what="level")) for v in levels})
     if not chosen:
         raise ConfigError("no level to measure: pass at least one level 0-5, e.g. levels=range(6)")
+    return shape, budget_bytes, small, chosen
+
+
+def _example_batch(
+    model: torch.nn.Module, shape: tuple[int, ...], rows: int
+) -> tuple[torch.device, torch.Tensor]:
+    """The model's device (its first parameter's, else the CPU) and a seeded random batch of
+    ``rows`` samples on it."""
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
-    example = torch.randn(small[-1], *shape, generator=generator).to(device)
-    loss = loss_fn or output_loss
-    work = Workload(model, example, loss, optimizer)
-    goal = budget_bytes / (1 + margin)
-    result = FitResult(
-        model=model_name or type(model).__name__,
-        input_shape=tuple(int(s) for s in shape),
-        device=str(device),
-        budget_bytes=budget_bytes,
-        margin=margin,
-        batches=small,
-        _tolerance=linear_tolerance,
-        _largest=largest,
-    )
+    return device, torch.randn(rows, *shape, generator=generator).to(device)
 
-    def add(row: FitRow) -> None:
+
+def _fill_rows(
+    result: FitResult,
+    work: Workload,
+    config: CheckpointConfig | None,
+    chosen: list[int],
+    include_own_switch: bool,
+    planner: bool,
+    time_steps: int,
+    on_row: Callable[[FitRow], None] | None,
+) -> None:
+    """Measure :func:`max_batch`'s rows into ``result`` (levels, own switch, planner), solved
+    for its budget, margin, batches, largest batch and tolerance; each row goes to ``on_row``
+    as soon as it is measured."""
+    goal = result.budget_bytes / (1 + result.margin)
+    small, largest, tolerance = result.batches, result._largest, result._tolerance
+
+    def add(row: FitRow, points: _Points | None = None) -> None:
+        if points is not None:
+            result._points[row.label] = points
         result.rows.append(row)
         if on_row is not None:
             on_row(row)
 
+    model, optimizer = work.model, work.optimizer
     with model_restored(model, optimizer):
         with applied(model, following_global(config)) as plan:
-            seen: dict[tuple[Any, ...], FitRow] = {}
-            for level in chosen:
-                signature = level_signature(plan, level)
-                same = seen.get(signature)
-                if same is not None:
-                    add(_copy(same, f"level {level}", level, _same(same)))
-                    continue
-                with training_level(level):
-                    points = _measure(work, small, time_steps)
-                result._points[f"level {level}"] = points
-                row = _row(f"level {level}", level, points, goal, largest, linear_tolerance)
-                seen[signature] = row
-                add(row)
-        if include_own_switch:
-            switch = find_own_switch(model)
-            if switch is not None:
-                row, points = _switch_row(
-                    work, switch, small, time_steps, goal, largest, linear_tolerance
-                )
-                if points is not None:
-                    result._points[row.label] = points
-                add(row)
+            _level_rows(work, plan, chosen, small, time_steps, goal, largest, tolerance, add)
+        switch = find_own_switch(model) if include_own_switch else None
+        if switch is not None:
+            add(*_switch_row(work, switch, small, time_steps, goal, largest, tolerance))
     if planner:
-        add(_planner_row(result, model, example, config, margin, loss, optimizer))
-    return result
+        example, loss = work.example, work.loss_fn
+        add(_planner_row(result, model, example, config, result.margin, loss, optimizer))
+
+
+def _level_rows(
+    work: Workload,
+    plan: Any,
+    chosen: list[int],
+    small: tuple[int, ...],
+    time_steps: int,
+    goal: float,
+    largest: int,
+    tolerance: float,
+    add: Callable[[FitRow, _Points | None], None],
+) -> None:
+    """One row per level, handed to ``add``; a level whose plan is a lower level's (same
+    signature) copies that row instead of being measured again."""
+    seen: dict[tuple[Any, ...], FitRow] = {}
+    for level in chosen:
+        signature = level_signature(plan, level)
+        same = seen.get(signature)
+        if same is not None:
+            add(_copy(same, f"level {level}", level, _same(same)), None)
+            continue
+        with training_level(level):
+            points = _measure(work, small, time_steps)
+        row = _row(f"level {level}", level, points, goal, largest, tolerance)
+        seen[signature] = row
+        add(row, points)
 
 
 def _same(row: FitRow) -> str:

@@ -202,6 +202,24 @@ def enable_checkpointing(
     3
     """
     layer_args = _check_layer_args(every_n_layers, offload)
+    _refuse_conflicting_args(model, level, config, memory_budget, options)
+    cfg, memory_budget = _requested_config(level, config, memory_budget, preset, options)
+    _refuse_layer_combination(layer_args, level, config, memory_budget)
+    cfg = _with_level(model, cfg, level, config, memory_budget, example_input, batch_size)
+    if layer_args:
+        cfg = _every_n_layers_config(model, cfg, every_n_layers or 1, offload, layer_args)
+    return _apply_refusing_hf(model, cfg, offload)
+
+
+def _refuse_conflicting_args(
+    model: nn.Module,
+    level: int | str | Level | None,
+    config: object,
+    memory_budget: int | str | None,
+    options: Mapping[str, Any],
+) -> None:
+    """Hugging Face's own checkpointing on, or :func:`enable_checkpointing` arguments that
+    exclude one another."""
     if hf_checkpointing_on(model):
         raise ConfigError(
             f"{type(model).__name__} has Hugging Face's own activation checkpointing on "
@@ -226,32 +244,57 @@ def enable_checkpointing(
             "give one: the budget chooses the level."
         )
 
-    if config is not None:
-        cfg = as_config(config)
-        if cfg.training_checkpoint_level == "auto":
-            if memory_budget is None:
-                memory_budget = cfg.memory_budget
-            cfg = cfg.model_copy(update={"training_checkpoint_level": None, "memory_budget": None})
-        elif memory_budget is not None and cfg.training_checkpoint_level is not None:
-            raise ConfigError(
-                f"enable_checkpointing got memory_budget={memory_budget!r} and a config with "
-                f"training_checkpoint_level {int(cfg.training_checkpoint_level)}; give one: the "
-                "budget chooses the level (leave the config's level out, or set it to auto)."
-            )
-    else:
+
+def _requested_config(
+    level: int | str | Level | None,
+    config: CheckpointConfig | Mapping[str, Any] | str | Path | None,
+    memory_budget: int | str | None,
+    preset: str,
+    options: Mapping[str, Any],
+) -> tuple[CheckpointConfig, int | str | None]:
+    """The config asked for (``config``, or ``level`` with ``preset`` and ``options``) and the
+    budget in force: a config at level ``auto`` brings its own unless one was given, and its
+    level and budget are cleared so the budget decides."""
+    if config is None:
         lv = None if level is None else parse_level(level, what="training level")
         cfg = CheckpointConfig(training_checkpoint_level=lv, preset=preset, **options)
+        return cfg, memory_budget
+    cfg = as_config(config)
+    if cfg.training_checkpoint_level == "auto":
+        if memory_budget is None:
+            memory_budget = cfg.memory_budget
+        cfg = cfg.model_copy(update={"training_checkpoint_level": None, "memory_budget": None})
+    elif memory_budget is not None and cfg.training_checkpoint_level is not None:
+        raise ConfigError(
+            f"enable_checkpointing got memory_budget={memory_budget!r} and a config with "
+            f"training_checkpoint_level {int(cfg.training_checkpoint_level)}; give one: the "
+            "budget chooses the level (leave the config's level out, or set it to auto)."
+        )
+    return cfg, memory_budget
 
-    if layer_args:
-        _refuse_layer_combination(layer_args, level, config, memory_budget)
+
+def _with_level(
+    model: nn.Module,
+    cfg: CheckpointConfig,
+    level: int | str | Level | None,
+    config: object,
+    memory_budget: int | str | None,
+    example_input: torch.Tensor | None,
+    batch_size: int | None,
+) -> CheckpointConfig:
+    """``cfg`` at the level the budget chooses, or at :data:`DEFAULT_LEVEL` when neither a
+    level nor a config was given."""
     if memory_budget is not None:
         chosen = _level_for_budget(model, cfg, memory_budget, example_input, batch_size)
-        cfg = cfg.model_copy(update={"training_checkpoint_level": chosen})
-    elif config is None and level is None:
-        cfg = cfg.model_copy(update={"training_checkpoint_level": DEFAULT_LEVEL})
-    if layer_args:
-        cfg = _every_n_layers_config(model, cfg, every_n_layers or 1, offload, layer_args)
+        return cfg.model_copy(update={"training_checkpoint_level": chosen})
+    if config is None and level is None:
+        return cfg.model_copy(update={"training_checkpoint_level": DEFAULT_LEVEL})
+    return cfg
 
+
+def _apply_refusing_hf(model: nn.Module, cfg: CheckpointConfig, offload: bool) -> CheckpointPlan:
+    """Apply ``cfg`` and make Hugging Face's switches refuse while it is applied (NOTE
+    [ Hugging Face's own checkpointing ])."""
     the_plan = apply(model, cfg)
     if offload and the_plan.device != "cuda":
         _warn_offload_does_nothing(the_plan.device)
@@ -329,7 +372,10 @@ def _refuse_layer_combination(
     memory_budget: int | str | None,
 ) -> None:
     """every_n_layers / offload mean something at the layer level only (NOTE [ Hugging Face's
-    every_n_layers and offload ])."""
+    every_n_layers and offload ]); ``layer_args`` as :func:`_check_layer_args` returns it, and
+    nothing to refuse when it is empty (neither was given)."""
+    if not layer_args:
+        return
     fix = (
         "they choose which transformer layers are regions at the layer level (3, each layer "
         "one region, the default), as Hugging Face's activation_checkpointing_enable does"
