@@ -323,6 +323,21 @@ def test_budget_that_nothing_fits() -> None:
         _fit(_module(), [CheckpointingCallback(memory_budget="1KiB")])
 
 
+def test_preset_derived_is_derived_on_the_example_input(core_calls: list[Any]) -> None:
+    callback = CheckpointingCallback(
+        config={"preset": "derived", "training_checkpoint_level": 5},
+        module="net",
+        batch_size=16,
+    )
+    _fit(_module(), [callback])
+    assert callback.plan.checkpointed and len(core_calls) > 0
+    module = _module()
+    module.example_input_array = None
+    derived = CheckpointingCallback(config={"preset": "derived"}, module="net")
+    with pytest.raises(ConfigError, match="preset 'derived' needs an input batch"):
+        _fit(module, [derived])
+
+
 def test_budget_without_an_example_input() -> None:
     module = _module()
     module.example_input_array = None

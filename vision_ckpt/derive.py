@@ -449,9 +449,22 @@ def _emit(
         if nested is not None:
             rules += [_rule(p, nested) for p in regions.inner[block.name]]
     if lean_from is not None:
-        rules += [_rule(s, lean_from, strategy="lean") for s in regions.lean]
+        rules += [_rule(s, lean_from, strategy="lean") for s in _lean_outside_runs(regions, rules)]
     # a unit missing from a level's plan (a level marked as level 0's) is kept there
     return rules
+
+
+def _lean_outside_runs(regions: Regions, rules: Sequence[LevelRule]) -> list[Span]:
+    """The lean MLPs that no run of ``rules`` holds: a run calls its members' own forwards, so a
+    lean MLP inside one is refused (``plan()``)."""
+    in_runs = {
+        m
+        for s in [*regions.units, *(p for ps in regions.inner.values() for p in ps)]
+        if s.kind == "run"
+        and any(r.match == exact_name_pattern(s.name) and r.through for r in rules)
+        for m in s.members
+    }
+    return [s for s in regions.lean if s.name not in in_runs]
 
 
 def _measured_peak(work: Workload, config: CheckpointConfig, level: int, target: int) -> int:
@@ -605,7 +618,7 @@ def _lean_levels(
 ) -> int | None:
     """The lowest level from which the lean MLPs are added, or ``None`` (NOTE [ Five levels
     from one menu ]); updates the measured peaks of the levels that take them."""
-    if not regions.lean:
+    if not _lean_outside_runs(regions, _emit(regions, menus, per_level, None)):
         return None
     lean_from = None
     for k in range(len(levels), 0, -1):

@@ -246,6 +246,8 @@ class CheckpointingCallback(Callback):
         detail = ""
         if self.memory_budget is not None:
             cfg, detail = self._plan_budget(trainer, pl_module, target, self.memory_budget)
+        elif cfg.preset == "derived":
+            cfg, detail = self._derive(trainer, pl_module, target)
         the_plan = apply(target, cfg)
         self.plan, self.module_name, self._target = the_plan, name, target
         if trainer.is_global_zero:
@@ -301,6 +303,31 @@ class CheckpointingCallback(Callback):
         if cfg is None:
             raise ConfigError(f"CheckpointingCallback memory_budget: {detail}")
         return cfg, detail
+
+    def _derive(
+        self, trainer: Trainer, pl_module: LightningModule, target: nn.Module
+    ) -> tuple[CheckpointConfig, str]:
+        """``preset: derived``: levels derived on the example input by the global-zero process
+        (``vision_ckpt.derive.resolve_derived``), broadcast to the others."""
+        from vision_ckpt.derive import resolve_derived  # measured only here
+
+        example = self.example_input
+        if example is None:
+            example = getattr(pl_module, "example_input_array", None)
+        if not isinstance(example, torch.Tensor):
+            raise ConfigError(
+                "CheckpointingCallback with preset 'derived' needs an input batch of the "
+                "network to measure on: pass example_input=<tensor> (batch_size=... says which "
+                "batch the levels are for) or set the LightningModule's example_input_array."
+            )
+        cfg: CheckpointConfig | None = None
+        if trainer.is_global_zero:
+            device = trainer.strategy.root_device
+            target.to(device)
+            cfg = resolve_derived(target, example.to(device), self.config, self.batch_size)
+        cfg = trainer.strategy.broadcast(cfg, src=0)
+        assert cfg is not None
+        return cfg, "levels derived by measurement"
 
     def _measure(
         self, trainer: Trainer, target: nn.Module, example: torch.Tensor, budget: int | str
