@@ -16,7 +16,7 @@ one menu ] for how the levels are chosen, and docs/derive.md for measurements.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,9 +65,10 @@ __all__ = [
 #   half and its MLP half. A block with fewer than two pieces has no nested option (nested
 #   recomputation of one piece is the block itself again).
 # - Stages: what holds a sequence of blocks may run as one selective region (the planner's
-#   ``stage`` option).
-# - Lean MLPs (``_lean``): not a region; tried on top of the levels (NOTE [ Five levels from one
-#   menu ]).
+#   ``stage`` option), and a stack of three or more units as groups of about sqrt(n).
+# - Lean MLPs (``_lean``): not a region; a lean MLP inside a run is cut out of it as an inner
+#   region of its own (a run calls its members' own forwards, so it could not run lean).
+#   Groups and lean MLPs are tried on top of the levels (NOTE [ Five levels from one menu ]).
 
 _UNIT_LEVEL = Level(3)
 _INNER_LEVEL = Level(2)
@@ -85,7 +86,8 @@ def _heavy(module: nn.Module) -> bool:
 
 def _pieces(model: nn.Module, block: str, spans: Sequence[Span]) -> list[Span]:
     """The inner regions of ``block`` (NOTE [ Regions from a trace ]): runs and modules among
-    its direct children, one heavy child each."""
+    its direct children, one heavy child each, a lean MLP alone."""
+    lean = {s.name for s in spans if s.kind == "lean"}
     children = [s for s in spans if s.kind == "module" and s.name.rpartition(".")[0] == block]
     runs = [s for s in spans if s.kind == "run" and s.name.rpartition(".")[0] == block]
     longest: list[Span] = []
@@ -101,11 +103,15 @@ def _pieces(model: nn.Module, block: str, spans: Sequence[Span]) -> list[Span]:
         if unit.kind == "module":
             pieces.append(unit)
             continue
-        # cut a run before each heavy member but the first
+        # cut a run before each heavy member but the first, and around a lean MLP (which
+        # then runs lean inside its own region: a run would call its own forward)
         members = list(unit.members)
         heavy = [i for i, m in enumerate(members) if _heavy(model.get_submodule(m))]
-        cuts = heavy[1:] if heavy else []
-        bounds = [0, *cuts, len(members)]
+        cuts = set(heavy[1:])
+        for i, m in enumerate(members):
+            if m in lean:
+                cuts |= {i, i + 1}
+        bounds = sorted({0, *cuts, len(members)})
         for a, b in zip(bounds, bounds[1:], strict=False):
             part = tuple(members[a:b])
             if len(part) == 1:
@@ -128,6 +134,8 @@ class Regions:
     """What holds a sequence of blocks."""
     lean: list[Span]
     """MLPs that can run with the lean backward."""
+    groups: list[Span] = field(default_factory=list)
+    """Stacks of three or more units that can run as groups of about sqrt(n) (``segments``)."""
 
     def base_rules(self) -> list[LevelRule]:
         """The rules that make the planner's candidates: units at level 3, inner regions at
@@ -199,7 +207,9 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
     inner = {b: ps for b, ps in inner.items() if len(ps) >= 2}
     stages = [s for s in spans if s.kind == "stage"]
     lean = [s for s in spans if s.kind == "lean"]
-    return Regions(units, inner, stages, lean)
+    unit_names = {u.name for u in units}
+    groups = [s for s in spans if s.kind == "groups" and all(m in unit_names for m in s.members)]
+    return Regions(units, inner, stages, lean, groups)
 
 
 # NOTE [ Five levels from one menu ]
@@ -225,14 +235,16 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # (a selective stage steps aside where full blocks start inside it, NOTE [ Selective regions
 # step aside ] in wrapper). Each level is then measured (the extrapolated step peak); a level
 # that does not lower the peak by _STEP from the level below is marked as that level's plan
-# and runs it. Lean MLPs, which are no region, are tried last, from the top level down: they
-# are added from the lowest level at which each addition still lowers that level's measured
-# peak by _LEAN_GAIN.
+# and runs it. Two additions the program cannot price are tried last, each from the top level
+# down and kept from the lowest level at which it still lowers that level's measured peak by
+# _EXTRA_GAIN: stacks of blocks as groups of about sqrt(n) (``segments: auto``: the blocks'
+# inputs but one per group are no longer kept, and the blocks inside a group are recomputed
+# one at a time), then lean MLPs, which are no region.
 
 _SPACING = (0.35, 0.75, 0.9, 0.97)
 _TOP_SLACK = 0.02
 _STEP = 0.05
-_LEAN_GAIN = 0.01
+_EXTRA_GAIN = 0.01
 _RANK = {"keep": 0, "selective": 1, "stage": 1, "full": 2, "nested": 3}
 
 
@@ -424,6 +436,7 @@ def _emit(
     menus: Menus,
     per_level: Sequence[dict[str, str]],
     lean_from: int | None,
+    groups_from: int | None = None,
 ) -> list[LevelRule]:
     """Rules that run ``per_level[k - 1]`` at training level k (NOTE [ Five levels from one
     menu ]): per unit a selective rung, a full rung and its inner regions, each from the first
@@ -448,6 +461,8 @@ def _emit(
             rules.append(_rule(span, full))
         if nested is not None:
             rules += [_rule(p, nested) for p in regions.inner[block.name]]
+    if groups_from is not None:
+        rules += [_rule(g, groups_from, segments="auto") for g in regions.groups]
     if lean_from is not None:
         rules += [_rule(s, lean_from, strategy="lean") for s in _lean_outside_runs(regions, rules)]
     # a unit missing from a level's plan (a level marked as level 0's) is kept there
@@ -600,36 +615,51 @@ def _levels(
         )
         for k, (strategies, choice) in enumerate(plans, start=1)
     ]
-    lean_from = _lean_levels(work, regions, menus, per_level, levels, target)
+
+    def config(lean: int | None, groups: int | None) -> CheckpointConfig:
+        return CheckpointConfig(preset=None, rules=_emit(regions, menus, per_level, lean, groups))
+
+    groups_from = lean_from = None
+    if regions.groups:
+        groups_from = _from_top(work, levels, target, lambda k: config(None, k))
+    if _lean_outside_runs(regions, _emit(regions, menus, per_level, None)):
+        lean_from = _from_top(work, levels, target, lambda k: config(k, groups_from))
+    for lv in levels:
+        if lean_from is not None and lv.level >= lean_from:
+            lv.lean = tuple(s.name for s in regions.lean)
     _mark_steps(levels, menus.peak0, menus.base_time)
-    while lean_from is not None and levels[lean_from - 1].same_as is not None:
-        lean_from = lean_from + 1 if lean_from < len(levels) else None
+    lean_from = _first_unmarked(levels, lean_from)
+    groups_from = _first_unmarked(levels, groups_from)
     per_level = [lv.strategies for lv in levels]
-    return levels, _emit(regions, menus, per_level, lean_from)
+    return levels, _emit(regions, menus, per_level, lean_from, groups_from)
 
 
-def _lean_levels(
+def _first_unmarked(levels: list[DerivedLevel], start: int | None) -> int | None:
+    """``start``, moved up past levels marked as the level below's plan (which run that plan,
+    additions included only from a level of their own)."""
+    while start is not None and levels[start - 1].same_as is not None:
+        start = start + 1 if start < len(levels) else None
+    return start
+
+
+def _from_top(
     work: Workload,
-    regions: Regions,
-    menus: Menus,
-    per_level: Sequence[dict[str, str]],
     levels: list[DerivedLevel],
     target: int,
+    config_from: Callable[[int], CheckpointConfig],
 ) -> int | None:
-    """The lowest level from which the lean MLPs are added, or ``None`` (NOTE [ Five levels
-    from one menu ]); updates the measured peaks of the levels that take them."""
-    if not _lean_outside_runs(regions, _emit(regions, menus, per_level, None)):
-        return None
-    lean_from = None
+    """The lowest level from which an addition to the plan (``config_from(k)``: the plan with
+    it from level k on) is kept: from the top level down, while it lowers that level's
+    measured peak by _EXTRA_GAIN; updates those levels' peaks (NOTE [ Five levels from one
+    menu ])."""
+    start = None
     for k in range(len(levels), 0, -1):
-        config = CheckpointConfig(preset=None, rules=_emit(regions, menus, per_level, k))
-        peak = _measured_peak(work, config, k, target)
-        if peak > levels[k - 1].peak * (1 - _LEAN_GAIN):
+        peak = _measured_peak(work, config_from(k), k, target)
+        if peak > levels[k - 1].peak * (1 - _EXTRA_GAIN):
             break
         levels[k - 1].peak = peak
-        levels[k - 1].lean = tuple(s.name for s in regions.lean)
-        lean_from = k
-    return lean_from
+        start = k
+    return start
 
 
 def _mark_steps(levels: list[DerivedLevel], peak0: int, base_time: float) -> None:
