@@ -30,7 +30,7 @@ from ._lean import lean_mlp_problem
 from ._selective import HEAVY_OPS, SaveOps
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
-from .levels import Level, is_checkpointed, is_group, parse_level
+from .levels import Level, is_checkpointed, parse_level
 from .matching import ModuleMatcher, later_siblings, qualified_class_name
 from .wrapper import (
     Policy,
@@ -42,7 +42,6 @@ from .wrapper import (
 
 __all__ = [
     "PlanEntry",
-    "PlannedRung",
     "CheckpointPlan",
     "plan",
     "apply",
@@ -53,57 +52,6 @@ __all__ = [
 ]
 
 ConfigLike = CheckpointConfig | Mapping[str, Any] | str | Path
-
-
-@dataclass(frozen=True)
-class PlannedRung:
-    """One way a planned module is checkpointed, from a level on."""
-
-    level: Level
-    """The lowest training level at which this applies."""
-    strategy: str
-    """``full`` or ``selective`` (see ``LevelRule.strategy``)."""
-    segments: int | str | None = None
-    """``auto`` or k for a stack checkpointed as groups of layers; ``None`` otherwise."""
-    recompute_below: int | None = None
-    """For ``selective``: convolutions/matmuls cheaper than this (FLOPs per output) are redone."""
-    until: Level | None = None
-    """For ``selective``: the training level from which a full region inside the module is
-    checkpointed, where this rung stops applying (NOTE [ Selective regions step aside ]); for
-    a later member of a run, the run's level (NOTE [ Runs take over ])."""
-    through: str | None = None
-    """The last sibling of a run checkpointed with the module as one region (``through``)."""
-    offload: bool = False
-    """A full region whose inputs wait for backward in pinned host memory on CUDA (a rule's
-    strategy ``offload``); ``strategy`` is then ``full``."""
-
-    @property
-    def group(self) -> bool:
-        """A group of layers: level 4-5 or segmented (see ``CheckpointConfig.nesting``)."""
-        return is_group(self.level) or self.segments is not None
-
-    @property
-    def layer_group_run(self) -> bool:
-        """A run that is a group of a ModuleList's layers, whose layers keep their own rungs
-        inside it (NOTE [ Groups of a ModuleList ])."""
-        return self.through is not None and self.segments is not None
-
-    def __str__(self) -> str:
-        text = "segments" if self.segments is not None else self.strategy
-        if self.offload:
-            text = "offload"
-        if self.through is not None:
-            text += f" through {self.through}"
-        if self.segments not in (None, "auto"):
-            text += f"/{self.segments}"
-        if self.recompute_below is not None:
-            text += f"<{self.recompute_below}"
-        if self.until is not None:
-            last = int(self.until) - 1
-            if last == int(self.level):
-                return f"{text} {last} only"
-            return f"{text} {int(self.level)}-{last}"
-        return f"{text} {int(self.level)}"
 
 
 @dataclass(frozen=True)
@@ -122,7 +70,7 @@ class PlanEntry:
     """The rules that decided its rungs, e.g. ``match='blocks.*' level=3``."""
     origin: str
     """Where those rules come from: ``rules[2]`` of the config, ``preset vit #3``, ``fallback``."""
-    rungs: tuple[PlannedRung, ...] = ()
+    rungs: tuple[Rung, ...] = ()
     """Every way it is checkpointed, by increasing level (one per level)."""
     holds_several: frozenset[int] = frozenset()
     """Training levels at which it directly holds two or more fully checkpointed modules, and
@@ -136,7 +84,7 @@ class PlanEntry:
         """Whether the module runs with the lean backward at training ``level``."""
         return self.lean is not None and is_checkpointed(self.lean, level)
 
-    def rung_at(self, level: int) -> PlannedRung | None:
+    def rung_at(self, level: int) -> Rung | None:
         """The rung that applies at training ``level``: the highest one within it."""
         return rung_within(self.rungs, level)
 
@@ -324,7 +272,7 @@ def _decide(entries: tuple[PlanEntry, ...], level: Level, nesting: str) -> tuple
     forwards decide at call time (``wrapper.choose_rung``): an eligible module inside a
     checkpointed one is checkpointed again with ``all``, inside a group, or (``auto``) when its
     own rung is selective. Entries come parents first (``named_modules()`` order)."""
-    on: dict[str, PlannedRung] = {}  # checkpointed entries and their rung
+    on: dict[str, Rung] = {}  # checkpointed entries and their rung
     holds = {e.name: e.holds_several for e in entries}
     out = []
     for e in entries:
@@ -606,13 +554,13 @@ def _entry(
     """The plan entry of one module from the rules that decided its rungs."""
     used = sorted(rules.values(), key=lambda r: int(r[0].level))
     rungs = tuple(
-        PlannedRung(
+        Rung(
             rule.level,
-            "full" if rule.strategy == "offload" else rule.strategy,
-            rule.segments,
-            rule.recompute_below,
+            "full" if rule.strategy == "offload" else rule.strategy,  # type: ignore[arg-type]
+            rule.segments,  # type: ignore[arg-type]
             through=rule.through,
             offload=rule.strategy == "offload",
+            recompute_below=rule.recompute_below,
         )
         for rule, _ in used
         if rule.level > 0 and rule.strategy != "lean"
@@ -1039,9 +987,7 @@ def _policy(
             context_fn = save_ops(keep or HEAVY_OPS, r.recompute_below, not keep)
         else:
             context_fn = save_ops(keep, None, False) if keep is not None else None
-        rungs.append(
-            Rung(r.level, r.strategy, r.segments, context_fn, r.until, r.through, r.offload)  # type: ignore[arg-type]
-        )
+        rungs.append(replace(r, context_fn=context_fn))
     return Policy(
         tuple(rungs),
         the_plan.pinned_training_level,

@@ -327,7 +327,9 @@ class ActivationCheckpointing(nn.Module):
 
 @dataclass(frozen=True)
 class Rung:
-    """One way a region is checkpointed, from a level on (a module may have several)."""
+    """One way a region is checkpointed, from a level on (a module may have several): what
+    ``plan()`` decides (``PlanEntry.rungs``, with no ``context_fn``) and what an installed
+    forward runs (the same rung with its ``context_fn``)."""
 
     level: Level
     """The lowest training level at which this rung applies (1-5)."""
@@ -349,11 +351,37 @@ class Rung:
     offload: bool = False
     """A full region whose CUDA inputs are kept in pinned host memory (``strategy: offload``,
     NOTE [ Offloaded inputs ] in ``_core``); under torch.compile it is a plain full region."""
+    recompute_below: int | None = None
+    """For ``selective``: convolutions and matmuls cheaper than this (FLOPs per output) are
+    redone too; ``context_fn`` carries it when the rung is installed."""
 
     @property
     def group(self) -> bool:
         """Whether the region is a group of layers (see NOTE [ Nesting ])."""
         return is_group(self.level) or self.segments is not None
+
+    @property
+    def layer_group_run(self) -> bool:
+        """A run that is a group of a ModuleList's layers, whose layers keep their own rungs
+        inside it (NOTE [ Groups of a ModuleList ] in ``apply``)."""
+        return self.through is not None and self.segments is not None
+
+    def __str__(self) -> str:
+        text = "segments" if self.segments is not None else self.strategy
+        if self.offload:
+            text = "offload"
+        if self.through is not None:
+            text += f" through {self.through}"
+        if self.segments not in (None, "auto"):
+            text += f"/{self.segments}"
+        if self.recompute_below is not None:
+            text += f"<{self.recompute_below}"
+        if self.until is not None:
+            last = int(self.until) - 1
+            if last == int(self.level):
+                return f"{text} {last} only"
+            return f"{text} {int(self.level)}-{last}"
+        return f"{text} {int(self.level)}"
 
 
 @dataclass(frozen=True)
