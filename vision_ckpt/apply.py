@@ -36,6 +36,7 @@ from .wrapper import (
     Policy,
     Rung,
     get_training_level,
+    nests,
     rung_within,
     segment_size,
 )
@@ -269,9 +270,8 @@ class CheckpointPlan:
 
 def _decide(entries: tuple[PlanEntry, ...], level: Level, nesting: str) -> tuple[PlanEntry, ...]:
     """Recompute ``checkpointed`` for every entry at ``level`` under ``nesting``, as the installed
-    forwards decide at call time (``wrapper.choose_rung``): an eligible module inside a
-    checkpointed one is checkpointed again with ``all``, inside a group, or (``auto``) when its
-    own rung is selective. Entries come parents first (``named_modules()`` order)."""
+    forwards decide at call time (``wrapper.choose_rung``), with the same rule
+    (``wrapper.nests``). Entries come parents first (``named_modules()`` order)."""
     on: dict[str, Rung] = {}  # checkpointed entries and their rung
     holds = {e.name: e.holds_several for e in entries}
     out = []
@@ -280,12 +280,10 @@ def _decide(entries: tuple[PlanEntry, ...], level: Level, nesting: str) -> tuple
         decided = rung is not None
         if decided:
             outer = [name for name in on if _is_ancestor(name, e.name)]
-            if outer and nesting != "all":
+            if outer:
                 nearest = max(outer, key=len)
-                enclosing = on[nearest]
-                group = enclosing.group or int(level) in holds[nearest]
-                selective_ok = nesting == "auto" and rung.strategy == "selective"
-                decided = group or selective_ok
+                group = on[nearest].group or int(level) in holds[nearest]
+                decided = nests(nesting, rung, group)  # type: ignore[arg-type]
         if decided:
             on[e.name] = rung  # type: ignore[assignment]
         out.append(replace(e, checkpointed=decided) if decided != e.checkpointed else e)

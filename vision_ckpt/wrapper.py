@@ -35,7 +35,7 @@ Invariant: whether a region inside a running checkpointed region is checkpointed
 its own policy and on the innermost running region (its level and whether it is a *group*), both
 of which ``_RunAtLevel`` re-establishes when the outer region is recomputed; so forward and
 recomputation take the same decisions and save the same tensors. ``plan()`` (``apply._decide``)
-computes the same decisions without running the model.
+computes the same decisions without running the model; both apply the rule in ``nests``.
 
 - ``all``: every eligible region inside an eligible region is checkpointed too. The outer
   recomputation keeps only the inner regions' inputs (lower backward peak), and each inner block
@@ -83,7 +83,7 @@ __all__ = [
     "get_training_level",
 ]
 # Used by the install layer (vision_ckpt._install), not re-exported by the package:
-# Rung, Policy, choose_rung, lean_now, run_policy, run_segments, segment_size, ChainCall,
+# Rung, Policy, choose_rung, nests, lean_now, run_policy, run_segments, segment_size, ChainCall,
 # compile_note.
 
 
@@ -439,16 +439,24 @@ def choose_rung(policy: Policy) -> Rung | None:
     (the highest rung within the training level) and the nesting mode. See NOTE [ The training
     level seen by recomputation ] and NOTE [ Nesting ].
     """
-    region = _region
     chosen = rung_within(policy.rungs, _policy_level(policy))
     if chosen is None or _core.region_depth() == 0:
         return chosen
-    nesting = policy.nesting
-    if nesting == "all" or region.group:
-        return chosen
-    if nesting == "auto" and chosen.strategy == "selective":
-        return chosen
-    return None
+    return chosen if nests(policy.nesting, chosen, _region.group) else None
+
+
+def nests(nesting: str, rung: Rung, inside_group: bool) -> bool:
+    """The nesting rule, the one place it is written (NOTE [ Nesting ]): whether a region whose
+    ``rung`` applies is checkpointed while another region runs, given the nesting mode and
+    whether the innermost running region is a group. ``plan()`` decides with it too.
+
+    >>> full = Rung(Level.SMALL_BLOCK, "full")
+    >>> nests("all", full, False), nests("outermost", full, True), nests("auto", full, False)
+    (True, True, False)
+    """
+    if nesting == "all" or inside_group:
+        return True
+    return nesting == "auto" and rung.strategy == "selective"
 
 
 def _ambient_level() -> Level:
