@@ -239,7 +239,9 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # down and kept from the lowest level at which it still lowers that level's measured peak by
 # _EXTRA_GAIN: stacks of blocks as groups of about sqrt(n) (``segments: auto``: the blocks'
 # inputs but one per group are no longer kept, and the blocks inside a group are recomputed
-# one at a time), then lean MLPs, which are no region.
+# one at a time), only over stacks whose blocks the level already recomputes whole, and only
+# at such levels (over kept blocks a group would cost the stack's whole forward again); then
+# lean MLPs, which are no region.
 
 _SPACING = (0.35, 0.75, 0.9, 0.97)
 _TOP_SLACK = 0.02
@@ -437,6 +439,7 @@ def _emit(
     per_level: Sequence[dict[str, str]],
     lean_from: int | None,
     groups_from: int | None = None,
+    groups: Sequence[Span] = (),
 ) -> list[LevelRule]:
     """Rules that run ``per_level[k - 1]`` at training level k (NOTE [ Five levels from one
     menu ]): per unit a selective rung, a full rung and its inner regions, each from the first
@@ -462,7 +465,7 @@ def _emit(
         if nested is not None:
             rules += [_rule(p, nested) for p in regions.inner[block.name]]
     if groups_from is not None:
-        rules += [_rule(g, groups_from, segments="auto") for g in regions.groups]
+        rules += [_rule(g, groups_from, segments="auto") for g in groups]
     if lean_from is not None:
         rules += [_rule(s, lean_from, strategy="lean") for s in _lean_outside_runs(regions, rules)]
     # a unit missing from a level's plan (a level marked as level 0's) is kept there
@@ -616,12 +619,24 @@ def _levels(
         for k, (strategies, choice) in enumerate(plans, start=1)
     ]
 
+    # groups only over blocks that are recomputed whole already: over kept or selective ones
+    # they would cost a whole forward more for the stack
+    stacks = [
+        g
+        for g in regions.groups
+        if all(per_level[-1].get(m) in ("full", "nested") for m in g.members)
+    ]
+
     def config(lean: int | None, groups: int | None) -> CheckpointConfig:
-        return CheckpointConfig(preset=None, rules=_emit(regions, menus, per_level, lean, groups))
+        rules = _emit(regions, menus, per_level, lean, groups, stacks)
+        return CheckpointConfig(preset=None, rules=rules)
+
+    def whole_at(k: int) -> bool:
+        return all(per_level[k - 1].get(m) in ("full", "nested") for g in stacks for m in g.members)
 
     groups_from = lean_from = None
-    if regions.groups:
-        groups_from = _from_top(work, levels, target, lambda k: config(None, k))
+    if stacks:
+        groups_from = _from_top(work, levels, target, lambda k: config(None, k), whole_at)
     if _lean_outside_runs(regions, _emit(regions, menus, per_level, None)):
         lean_from = _from_top(work, levels, target, lambda k: config(k, groups_from))
     for lv in levels:
@@ -631,7 +646,7 @@ def _levels(
     lean_from = _first_unmarked(levels, lean_from)
     groups_from = _first_unmarked(levels, groups_from)
     per_level = [lv.strategies for lv in levels]
-    return levels, _emit(regions, menus, per_level, lean_from, groups_from)
+    return levels, _emit(regions, menus, per_level, lean_from, groups_from, stacks)
 
 
 def _first_unmarked(levels: list[DerivedLevel], start: int | None) -> int | None:
@@ -647,6 +662,7 @@ def _from_top(
     levels: list[DerivedLevel],
     target: int,
     config_from: Callable[[int], CheckpointConfig],
+    allowed: Callable[[int], bool] = lambda k: True,
 ) -> int | None:
     """The lowest level from which an addition to the plan (``config_from(k)``: the plan with
     it from level k on) is kept: from the top level down, while it lowers that level's
@@ -654,6 +670,8 @@ def _from_top(
     menu ])."""
     start = None
     for k in range(len(levels), 0, -1):
+        if not allowed(k):
+            break
         peak = _measured_peak(work, config_from(k), k, target)
         if peak > levels[k - 1].peak * (1 - _EXTRA_GAIN):
             break
