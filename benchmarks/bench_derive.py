@@ -17,7 +17,9 @@ A model is a timm name or a spec as ``vision-ckpt`` takes it (``smp:MAnet(...)``
 
 Peak: live tensor storage above what was live before the step (``track_peak_memory``,
 deterministic). Time: process CPU seconds of a step, the median over interleaved rounds of the
-ratio to L0 in the same round (``--reps``). BatchNorm statistics after the first step are
+ratio to L0 in the same round (``--reps``); and, deterministic, the matmul and convolution FLOPs
+of a step (recomputation included) relative to L0's, counted at batch 2 (FLOPs are linear in
+the batch). BatchNorm statistics after the first step are
 compared with L0's (``bn_exact``).
 
     python benchmarks/bench_derive.py --threads 2 --reps 2 --out benchmarks/results/derive_b32
@@ -76,6 +78,18 @@ def _peak(model: torch.nn.Module, x: torch.Tensor) -> int:
     with track_peak_memory(model, x) as mem:
         output_loss(model(x)).backward()
     return mem.peak_bytes - mem.start_bytes
+
+
+def _flops(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Matmul and convolution FLOPs of one step, recomputation included (deterministic)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.grad = None
+    with FlopCounterMode(display=False) as counter:
+        output_loss(model(x)).backward()
+    return counter.get_total_flops()
 
 
 def _model_and_input(text: str, batch: int, img: int) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -150,6 +164,7 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
     runs = _variants(name, model, found)
     rows: dict[str, dict[str, Any]] = {}
     reference = None
+    flops0 = 0
     for label, m, source in runs:
         torch.manual_seed(1)
         _step(m, x)
@@ -157,6 +172,8 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
         reference = reference or bn
         exact = all(torch.equal(bn[k], reference[k]) for k in reference)
         peak = _peak(m, x)
+        flops = _flops(m, x[:2])
+        flops0 = flops0 or flops
         rows[label] = {
             "model": name,
             "batch": batch,
@@ -166,6 +183,7 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
             "predicted_mb": round(predicted[label] / MB, 1) if label in predicted else None,
             "bn_exact": exact,
             "time_ratio": None,
+            "flops_ratio": round(flops / flops0, 3),
             "x_floor": round(peak / found.floor, 2) if found.floor else None,
             "derive_s": round(derive_s, 1) if label == "L0" else None,
         }
@@ -184,6 +202,76 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
     for label, r in ratios.items():
         rows[label]["time_ratio"] = round(statistics.median(r), 3)
     return list(rows.values())
+
+
+def _level_of(by: dict[str, dict[str, Any]], prefix: str, k: int) -> dict[str, Any] | None:
+    """Variant ``prefix + k``, or the highest distinct level below it that runs its plan."""
+    found = [int(v[1:]) for v in by if v.startswith(prefix) and v[1:].isdigit()]
+    below = [j for j in found if j <= k]
+    return by[f"{prefix}{max(below)}"] if below else None
+
+
+def _cell(row: dict[str, Any] | None, versus: dict[str, Any] | None = None) -> str:
+    """``peak MiB (time x, FLOPs x)`` and, against ``versus``, the peak ratio."""
+    if row is None:
+        return "-"
+    flops = f", FLOPs {row['flops_ratio']:.2f}x" if row.get("flops_ratio") else ""
+    text = f"{row['peak_mb']:.0f} ({row['time_ratio']:.2f}x time{flops})"
+    if versus is not None:
+        text += f", {row['peak_mb'] / versus['peak_mb']:.2f}x"
+    return text
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Two markdown tables: derived levels 2, 3 and top against the bundled preset's (peak
+    MiB, time and FLOPs against level 0, and the derived peak over the preset's); and, for
+    models with no preset, the derived top against the library's switch and the structural
+    fallback's top, with the cheapest derived level at or under half of level 0's peak."""
+    models: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        models.setdefault(r["model"], {})[r["variant"]] = r
+    out = [
+        "| model | L0 | derived L2 / preset L2 | derived L3 / preset L3 | "
+        "derived top / preset top |",
+        "|---|---|---|---|---|",
+    ]
+    bare = [
+        "| model | L0 | derived top | own switch | fallback top | derived top / own | "
+        "first derived level <= 0.5x L0 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, by in models.items():
+        derived_top = _level_of(by, "D", 5)
+        if any(v.startswith("P") for v in by):
+            cells = [model, f"{by['L0']['peak_mb']:.0f}"]
+            for k in (2, 3, 5):
+                d, p = _level_of(by, "D", k), _level_of(by, "P", k)
+                cells.append(f"{_cell(d, p)} / {_cell(p)}")
+            out.append("| " + " | ".join(cells) + " |")
+            continue
+        own = by.get("own") or by.get("timm")
+        fallback = next((r for v, r in by.items() if v.startswith("F")), None)
+        half = next(
+            (
+                by[v]
+                for v in sorted(by)
+                if v.startswith("D") and by[v]["peak_mb"] <= 0.5 * by["L0"]["peak_mb"]
+            ),
+            None,
+        )
+        ratio = f"{derived_top['peak_mb'] / own['peak_mb']:.2f}x" if own and derived_top else "-"
+        bare.append(
+            f"| {model} | {by['L0']['peak_mb']:.0f} | {_cell(derived_top)} | {_cell(own)} | "
+            f"{_cell(fallback)} | {ratio} | "
+            + (f"{half['variant']}: {_cell(half)}" if half else "none")
+            + " |"
+        )
+    tables = []
+    if len(out) > 2:
+        tables.append("\n".join(out))
+    if len(bare) > 2:
+        tables.append("\n".join(bare))
+    return "\n\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = bench_model(name, args.batch_size, args.reps, args.img_size)
         data["rows"] = [r for r in data["rows"] if r["model"] != name] + rows
         path.write_text(json.dumps(data, indent=1))
+    print(summary(data["rows"]))
     print(f"wrote {path}")
     return 0
 

@@ -73,6 +73,13 @@ NOTES: dict[str, str] = {
     "fit": "Written by `python benchmarks/bench_fit.py` (one file per model): the largest "
     "batch whose step peak fits each budget, per level and for the library's own switch, "
     "from a few small CPU batches counted by the storage tracker; see [cli.md](cli.md).",
+    "derive_b32": "Written by `python benchmarks/bench_derive.py --threads 1 --reps 2 --out "
+    "benchmarks/results/derive_b32`: each model's levels derived at batch 32 (D1-D5, distinct "
+    "ones only) beside its bundled preset's levels 2, 3 and top (P) and timm's switch, real "
+    "steps at batch 32; see [derive.md](derive.md).",
+    "derive_nopreset_b32": "Written by `python benchmarks/bench_derive.py` for models no "
+    "preset knows: derived levels (D) beside the structural fallback's top level (F) and the "
+    "library's own switch, real steps at batch 32; see [derive.md](derive.md).",
     "planner_b32": "The results file does not record its command; it is the earlier run of "
     "`bench_planner.py` with its default wall clock.",
     "planner_b32_cpu": "The results file does not record its command; its table was made by "
@@ -337,6 +344,8 @@ def _section(key: str, data: Any) -> list[str]:
         body = _dense_section(key, data)
     elif "budget_mb" in first:
         body = _planner_section(key, data)
+    elif "flops_ratio" in first and "variant" in first:
+        body = _derive_summary(data) + _generic_section(key, data)
     else:
         body = _generic_section(key, data)
     noted = key if key in NOTES else key.split("/", 1)[0]  # fit/vit_s: the note of fit
@@ -367,6 +376,29 @@ Times are ratios to no checkpointing in the same process, medians of per-round r
 interleaved rounds. Every script in `benchmarks/` gives the command that reproduces it in its
 docstring; the ones without a results file here print their tables when run.
 """
+
+
+def _derive_summary(data: dict) -> list[str]:
+    """bench_derive's own summary of a results file (so its printout and this page agree):
+    cells are peak MiB (step time and FLOPs against level 0) and the derived peak over the one
+    it is compared with."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_derive", Path(__file__).parent / "bench_derive.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench_derive = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_derive)
+    return [
+        "",
+        "Summary (cells: peak MiB, then step time and FLOPs relative to level 0; after a comma, "
+        "the derived peak over the preset's or over the own switch's):",
+        "",
+        bench_derive.summary(data["rows"]),
+        "",
+        "Every row:",
+    ]
 
 
 def _fit_summary(results: list[dict]) -> list[str]:
