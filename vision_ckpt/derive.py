@@ -217,33 +217,37 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # The planner's menus (NOTE [ Pricing the strategies of a block ] in _planner) are measured once
 # at the target batch: per unit, the bytes and seconds of keep / selective / full / nested, and
 # per stage of selective as one region. Its program (NOTE [ One strategy per block ] in
-# _optimise) gives, for any memory goal, the fastest mix predicted to fit. The levels are five
-# goals on that curve, spaced evenly in the logarithm of the peak between no checkpointing (P0)
-# and the top level (Ptop):
+# _optimise) gives, for any memory goal, the fastest mix predicted to fit.
+#
+# Level 4 is the fastest mix within _TOP_SLACK of the least memory the menus reach (Ptop): the
+# last few percent cost a second recomputation everywhere. Levels 1-3 are the fastest mixes
+# under goals spaced in the logarithm of the peak between no checkpointing (P0) and Ptop:
 #
 #     goal(k) = P0 * (Ptop / P0) ** _SPACING[k]
 #
-# Ptop is the fastest mix within _TOP_SLACK of the least memory the menus reach: the last few
-# percent of memory cost a second recomputation everywhere and are not worth a level of their
-# own. _SPACING puts levels 2-4 in the lower half of the curve, where the hand-tuned presets put
+# _SPACING puts levels 2 and 3 in the lower half of the curve, where the hand-tuned presets put
 # theirs (levels 2 and 3 of ResNet-50, ConvNeXt-T, EfficientNet-B0 and Swin-T sit at 0.74-0.93
-# and 0.82-1.0 of that logarithmic distance), and level 1 where memory is cheap to win.
+# and 0.82-1.0 of that logarithmic distance), and level 1 where memory is cheap to win. Level 5
+# is level 4 with every stage (what holds a sequence of blocks) recomputed whole, its blocks
+# checkpointed again inside it: the size table's "very large modules", the least memory a plan
+# of these regions reaches, for a whole forward more.
 #
 # Levels grow: level k may only move a unit up the order keep < selective < full < nested (a
 # stage from keep, and from a stage only to full or nested for all its blocks), so that every
 # level's plan is the level below plus more, which is what rules "from level k on" express
 # (a selective stage steps aside where full blocks start inside it, NOTE [ Selective regions
-# step aside ] in wrapper). Each level is then measured (the extrapolated step peak); a level
-# that does not lower the peak by _STEP from the level below is marked as that level's plan
-# and runs it. Two additions the program cannot price are tried last, each from the top level
-# down and kept from the lowest level at which it still lowers that level's measured peak by
-# _EXTRA_GAIN: stacks of blocks as groups of about sqrt(n) (``segments: auto``: the blocks'
-# inputs but one per group are no longer kept, and the blocks inside a group are recomputed
-# one at a time), only over stacks whose blocks the level already recomputes whole, and only
-# at such levels (over kept blocks a group would cost the stack's whole forward again); then
-# lean MLPs, which are no region.
+# step aside ] in wrapper). Each level is measured (the extrapolated step peak). Three
+# additions the program cannot price are then tried, each from the top level down and kept
+# from the lowest level at which it still lowers that level's measured peak enough: stacks of
+# blocks as groups of about sqrt(n) (``segments: auto``: the blocks' inputs but one per group
+# are no longer kept, and the blocks inside a group are recomputed one at a time), only over
+# stacks whose blocks the level already recomputes whole and only at such levels (over kept
+# blocks a group would cost the stack's whole forward again), by _EXTRA_GAIN; lean MLPs, which
+# are no region, by _EXTRA_GAIN; whole stages, at level 5 only, by _STEP. Last, a level that
+# does not lower the peak by _STEP from the level below is marked as that level's plan and
+# runs it.
 
-_SPACING = (0.35, 0.75, 0.9, 0.97)
+_SPACING = (0.35, 0.75, 0.9)
 _TOP_SLACK = 0.02
 _STEP = 0.05
 _EXTRA_GAIN = 0.01
@@ -292,6 +296,8 @@ class DerivedLevel:
     """Unit -> ``keep``, ``selective``, ``full``, ``nested`` or ``stage``."""
     lean: tuple[str, ...] = ()
     """MLPs run with the lean backward at this level."""
+    whole: tuple[str, ...] = ()
+    """Stages recomputed whole at this level, their blocks checkpointed again inside."""
     predicted_peak: int = 0
     """The program's peak at the target batch (bytes)."""
     predicted_time: float = 0.0
@@ -393,6 +399,7 @@ class DerivedPreset:
                 if lv.same_as is not None
                 else ", ".join(f"{n} {s}" for s, n in lv.counts().items())
                 + (f", {len(lv.lean)} lean" if lv.lean else "")
+                + (f", {len(lv.whole)} stage(s) whole" if lv.whole else "")
             )
             rows.append(
                 {
@@ -440,6 +447,7 @@ def _emit(
     lean_from: int | None,
     groups_from: int | None = None,
     groups: Sequence[Span] = (),
+    whole_from: int | None = None,
 ) -> list[LevelRule]:
     """Rules that run ``per_level[k - 1]`` at training level k (NOTE [ Five levels from one
     menu ]): per unit a selective rung, a full rung and its inner regions, each from the first
@@ -466,6 +474,8 @@ def _emit(
             rules += [_rule(p, nested) for p in regions.inner[block.name]]
     if groups_from is not None:
         rules += [_rule(g, groups_from, segments="auto") for g in groups]
+    if whole_from is not None:
+        rules += [_rule(s, whole_from) for s in regions.stages]
     if lean_from is not None:
         rules += [_rule(s, lean_from, strategy="lean") for s in _lean_outside_runs(regions, rules)]
     # a unit missing from a level's plan (a level marked as level 0's) is kept there
@@ -508,7 +518,8 @@ def _plans(menus: Menus) -> list[tuple[dict[str, str], Choice]]:
     least = _least(menus.blocks, menus.base, menus.spans)
     top_goal = int(least.peak * (1 + _TOP_SLACK))
     top = choose(menus.blocks, menus.base, top_goal, spans=menus.spans) or least
-    goals = [int(menus.peak0 * (top.peak / menus.peak0) ** w) for w in _SPACING] + [top.peak]
+    goals = [int(menus.peak0 * (top.peak / menus.peak0) ** w) for w in _SPACING]
+    goals += [top.peak, top.peak]  # level 5: level 4's mix, and the stages whole on top
     previous: tuple[str, ...] = ("keep",) * len(names)
     out = []
     for goal in goals:
@@ -627,8 +638,8 @@ def _levels(
         if all(per_level[-1].get(m) in ("full", "nested") for m in g.members)
     ]
 
-    def config(lean: int | None, groups: int | None) -> CheckpointConfig:
-        rules = _emit(regions, menus, per_level, lean, groups, stacks)
+    def config(lean: int | None, groups: int | None, whole: int | None = None) -> CheckpointConfig:
+        rules = _emit(regions, menus, per_level, lean, groups, stacks, whole)
         return CheckpointConfig(preset=None, rules=rules)
 
     def whole_at(k: int) -> bool:
@@ -639,14 +650,43 @@ def _levels(
         groups_from = _from_top(work, levels, target, lambda k: config(None, k), whole_at)
     if _lean_outside_runs(regions, _emit(regions, menus, per_level, None)):
         lean_from = _from_top(work, levels, target, lambda k: config(k, groups_from))
+    whole_from = None
+    if regions.stages:
+        whole_from = _from_top(
+            work,
+            levels,
+            target,
+            lambda k: config(lean_from, groups_from, k),
+            lambda k: k == len(levels),
+            _STEP,
+        )
     for lv in levels:
         if lean_from is not None and lv.level >= lean_from:
             lv.lean = tuple(s.name for s in regions.lean)
     _mark_steps(levels, menus.peak0, menus.base_time)
     lean_from = _first_unmarked(levels, lean_from)
     groups_from = _first_unmarked(levels, groups_from)
+    whole_from = _first_unmarked(levels, whole_from)
+    # what the program did not price: a group or a whole stage runs its blocks' forwards once more
+    for lv in levels:
+        if lv.same_as is not None:
+            continue
+        if groups_from is not None and lv.level >= groups_from:
+            lv.predicted_time += _forward_seconds(menus, [m for g in stacks for m in g.members])
+        if whole_from is not None and lv.level >= whole_from:
+            lv.whole = tuple(s.name for s in regions.stages)
+            inside = [b.name for b in menus.blocks if any(_inside(b.name, s) for s in lv.whole)]
+            lv.predicted_time += _forward_seconds(menus, inside)
     per_level = [lv.strategies for lv in levels]
-    return levels, _emit(regions, menus, per_level, lean_from, groups_from, stacks)
+    return levels, _emit(regions, menus, per_level, lean_from, groups_from, stacks, whole_from)
+
+
+def _forward_seconds(menus: Menus, names: Sequence[str]) -> float:
+    """Seconds of one more forward of the named units, as the menus priced ``full``."""
+    wanted = set(names)
+    return sum(
+        o.time for b in menus.blocks if b.name in wanted for o in b.options if o.strategy == "full"
+    )
 
 
 def _first_unmarked(levels: list[DerivedLevel], start: int | None) -> int | None:
@@ -663,6 +703,7 @@ def _from_top(
     target: int,
     config_from: Callable[[int], CheckpointConfig],
     allowed: Callable[[int], bool] = lambda k: True,
+    gain: float = _EXTRA_GAIN,
 ) -> int | None:
     """The lowest level from which an addition to the plan (``config_from(k)``: the plan with
     it from level k on) is kept: from the top level down, while it lowers that level's
@@ -673,7 +714,7 @@ def _from_top(
         if not allowed(k):
             break
         peak = _measured_peak(work, config_from(k), k, target)
-        if peak > levels[k - 1].peak * (1 - _EXTRA_GAIN):
+        if peak > levels[k - 1].peak * (1 - gain):
             break
         levels[k - 1].peak = peak
         start = k
@@ -693,6 +734,7 @@ def _mark_steps(levels: list[DerivedLevel], peak0: int, base_time: float) -> Non
         lv.peak = below_peak
         lv.strategies = dict(below.strategies) if below is not None else {}
         lv.lean = below.lean if below is not None else ()
+        lv.whole = below.whole if below is not None else ()
         lv.predicted_peak = below.predicted_peak if below is not None else peak0
         lv.predicted_time = below.predicted_time if below is not None else base_time
 
