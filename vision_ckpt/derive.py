@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from .errors import ConfigError
 from .levels import Level
 from .matching import exact_name_pattern
 from .peak import physical_floor
-from .presets import preset_for_model
+from .presets import fallback_rules, preset_for_model
 from .wrapper import training_level
 
 __all__ = [
@@ -298,6 +298,8 @@ class DerivedLevel:
     """MLPs run with the lean backward at this level."""
     whole: tuple[str, ...] = ()
     """Stages recomputed whole at this level, their blocks checkpointed again inside."""
+    fallback: bool = False
+    """Whether the structural fallback's regions are added at this level (all nested)."""
     predicted_peak: int = 0
     """The program's peak at the target batch (bytes)."""
     predicted_time: float = 0.0
@@ -400,6 +402,7 @@ class DerivedPreset:
                 else ", ".join(f"{n} {s}" for s, n in lv.counts().items())
                 + (f", {len(lv.lean)} lean" if lv.lean else "")
                 + (f", {len(lv.whole)} stage(s) whole" if lv.whole else "")
+                + (", the fallback's regions nested" if lv.fallback else "")
             )
             rows.append(
                 {
@@ -448,6 +451,7 @@ def _emit(
     groups_from: int | None = None,
     groups: Sequence[Span] = (),
     whole_from: int | None = None,
+    fallback: Sequence[LevelRule] = (),
 ) -> list[LevelRule]:
     """Rules that run ``per_level[k - 1]`` at training level k (NOTE [ Five levels from one
     menu ]): per unit a selective rung, a full rung and its inner regions, each from the first
@@ -476,6 +480,8 @@ def _emit(
         rules += [_rule(g, groups_from, segments="auto") for g in groups]
     if whole_from is not None:
         rules += [_rule(s, whole_from) for s in regions.stages]
+    if fallback:  # first, so that the derived rules win where both set a module's way
+        rules = [*fallback, *rules]
     if lean_from is not None:
         rules += [_rule(s, lean_from, strategy="lean") for s in _lean_outside_runs(regions, rules)]
     # a unit missing from a level's plan (a level marked as level 0's) is kept there
@@ -611,11 +617,111 @@ def derive_preset(
     )
 
 
+@dataclass
+class _Additions:
+    """What the program cannot price, tried on top of the levels: each the lowest level it is
+    kept from, or ``None`` (NOTE [ Five levels from one menu ])."""
+
+    stacks: list[Span]
+    """The stacks that may run as groups: those whose blocks the top level recomputes whole."""
+    groups: int | None = None
+    lean: int | None = None
+    whole: int | None = None
+    fallback: int | None = None
+
+    def rules(
+        self, model: nn.Module, regions: Regions, menus: Menus, per_level: Sequence[dict[str, str]]
+    ) -> list[LevelRule]:
+        extra = _fallback_at(model, self.fallback) if self.fallback is not None else []
+        return _emit(
+            regions, menus, per_level, self.lean, self.groups, self.stacks, self.whole, extra
+        )
+
+
+def _try_additions(
+    work: Workload,
+    regions: Regions,
+    menus: Menus,
+    per_level: Sequence[dict[str, str]],
+    levels: list[DerivedLevel],
+    target: int,
+) -> _Additions:
+    """Groups, lean MLPs, whole stages and the fallback's regions, each from the top down and
+    kept where it lowers the measured peak enough, each on top of the ones kept before it."""
+    # groups only over blocks that are recomputed whole already: over kept or selective ones
+    # they would cost a whole forward more for the stack
+    top = per_level[-1]
+    found = _Additions(
+        [g for g in regions.groups if all(top.get(m) in ("full", "nested") for m in g.members)]
+    )
+
+    def config_with(addition: str) -> Callable[[int], CheckpointConfig]:
+        """The plan with what was kept so far and ``addition`` from level k on."""
+
+        def config_from(k: int) -> CheckpointConfig:
+            trial = replace(found, **{addition: k})
+            return CheckpointConfig(
+                preset=None, rules=trial.rules(work.model, regions, menus, per_level)
+            )
+
+        return config_from
+
+    def whole_at(k: int) -> bool:
+        return all(
+            per_level[k - 1].get(m) in ("full", "nested") for g in found.stacks for m in g.members
+        )
+
+    def only_top(k: int) -> bool:
+        return k == len(levels)
+
+    if found.stacks:
+        found.groups = _from_top(work, levels, target, config_with("groups"), whole_at)
+    if _lean_outside_runs(regions, _emit(regions, menus, per_level, None)):
+        found.lean = _from_top(work, levels, target, config_with("lean"))
+    if regions.stages:
+        found.whole = _from_top(work, levels, target, config_with("whole"), only_top, _STEP)
+    if _fallback_at(work.model, len(levels)):
+        try:
+            found.fallback = _from_top(
+                work, levels, target, config_with("fallback"), only_top, _STEP
+            )
+        except ConfigError:  # the fallback's rules and the derived ones do not combine
+            found.fallback = None
+    return found
+
+
+def _account(levels: list[DerivedLevel], found: _Additions, regions: Regions, menus: Menus) -> None:
+    """After marking: each addition from the first level that runs its own plan, and the
+    forward each adds that the program did not price (a group, a whole stage or the
+    fallback's trunk runs its blocks' forwards once more)."""
+    for name in ("groups", "lean", "whole", "fallback"):
+        setattr(found, name, _first_unmarked(levels, getattr(found, name)))
+    every = [b.name for b in menus.blocks]
+    for lv in levels:
+        if lv.same_as is not None:
+            continue
+        if found.lean is not None and lv.level >= found.lean:
+            lv.lean = tuple(s.name for s in regions.lean)
+        if found.groups is not None and lv.level >= found.groups:
+            grouped = [m for g in found.stacks for m in g.members]
+            lv.predicted_time += _forward_seconds(menus, grouped)
+        if found.whole is not None and lv.level >= found.whole:
+            lv.whole = tuple(s.name for s in regions.stages)
+            inside = [n for n in every if any(_inside(n, s) for s in lv.whole)]
+            lv.predicted_time += _forward_seconds(menus, inside)
+        if found.fallback is not None and lv.level >= found.fallback:
+            lv.fallback = True
+            lv.predicted_time += _forward_seconds(menus, every)
+    for lv in levels:  # a marked level shows the figures of the level whose plan it runs
+        if lv.same_as:
+            lv.predicted_time = levels[lv.same_as - 1].predicted_time
+
+
 def _levels(
     work: Workload, regions: Regions, menus: Menus, target: int
 ) -> tuple[list[DerivedLevel], list[LevelRule]]:
-    """Levels 1-5 chosen, measured, given lean MLPs and marked, and the rules that run them
-    (NOTE [ Five levels from one menu ])."""
+    """Levels 1-5 chosen, measured, given what the program cannot price, and marked, and the
+    rules that run them (NOTE [ Five levels from one menu ])."""
     plans = _plans(menus)
     per_level = [strategies for strategies, _ in plans]
     config = CheckpointConfig(preset=None, rules=_emit(regions, menus, per_level, None))
@@ -629,56 +735,25 @@ def _levels(
         )
         for k, (strategies, choice) in enumerate(plans, start=1)
     ]
-
-    # groups only over blocks that are recomputed whole already: over kept or selective ones
-    # they would cost a whole forward more for the stack
-    stacks = [
-        g
-        for g in regions.groups
-        if all(per_level[-1].get(m) in ("full", "nested") for m in g.members)
-    ]
-
-    def config(lean: int | None, groups: int | None, whole: int | None = None) -> CheckpointConfig:
-        rules = _emit(regions, menus, per_level, lean, groups, stacks, whole)
-        return CheckpointConfig(preset=None, rules=rules)
-
-    def whole_at(k: int) -> bool:
-        return all(per_level[k - 1].get(m) in ("full", "nested") for g in stacks for m in g.members)
-
-    groups_from = lean_from = None
-    if stacks:
-        groups_from = _from_top(work, levels, target, lambda k: config(None, k), whole_at)
-    if _lean_outside_runs(regions, _emit(regions, menus, per_level, None)):
-        lean_from = _from_top(work, levels, target, lambda k: config(k, groups_from))
-    whole_from = None
-    if regions.stages:
-        whole_from = _from_top(
-            work,
-            levels,
-            target,
-            lambda k: config(lean_from, groups_from, k),
-            lambda k: k == len(levels),
-            _STEP,
-        )
-    for lv in levels:
-        if lean_from is not None and lv.level >= lean_from:
+    found = _try_additions(work, regions, menus, per_level, levels, target)
+    if found.lean is not None:
+        for lv in levels[found.lean - 1 :]:
             lv.lean = tuple(s.name for s in regions.lean)
     _mark_steps(levels, menus.peak0, menus.base_time)
-    lean_from = _first_unmarked(levels, lean_from)
-    groups_from = _first_unmarked(levels, groups_from)
-    whole_from = _first_unmarked(levels, whole_from)
-    # what the program did not price: a group or a whole stage runs its blocks' forwards once more
-    for lv in levels:
-        if lv.same_as is not None:
-            continue
-        if groups_from is not None and lv.level >= groups_from:
-            lv.predicted_time += _forward_seconds(menus, [m for g in stacks for m in g.members])
-        if whole_from is not None and lv.level >= whole_from:
-            lv.whole = tuple(s.name for s in regions.stages)
-            inside = [b.name for b in menus.blocks if any(_inside(b.name, s) for s in lv.whole)]
-            lv.predicted_time += _forward_seconds(menus, inside)
+    _account(levels, found, regions, menus)
     per_level = [lv.strategies for lv in levels]
-    return levels, _emit(regions, menus, per_level, lean_from, groups_from, stacks, whole_from)
+    return levels, found.rules(work.model, regions, menus, per_level)
+
+
+def _fallback_at(model: nn.Module, level: int) -> list[LevelRule]:
+    """The structural fallback's rules (``presets.fallback_rules``), all from ``level`` on: its
+    nesting of trunk, stages, blocks and layers, a candidate for the top level where it holds
+    less than the derived regions; none when the fallback finds no structure."""
+    try:
+        found = fallback_rules(model)
+    except ConfigError:
+        return []
+    return [r.model_copy(update={"level": Level(level)}) for r, _ in found if r.level > 0]
 
 
 def _forward_seconds(menus: Menus, names: Sequence[str]) -> float:
@@ -735,6 +810,7 @@ def _mark_steps(levels: list[DerivedLevel], peak0: int, base_time: float) -> Non
         lv.strategies = dict(below.strategies) if below is not None else {}
         lv.lean = below.lean if below is not None else ()
         lv.whole = below.whole if below is not None else ()
+        lv.fallback = below.fallback if below is not None else False
         lv.predicted_peak = below.predicted_peak if below is not None else peak0
         lv.predicted_time = below.predicted_time if below is not None else base_time
 
