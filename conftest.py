@@ -63,4 +63,3 @@ def _isolated_doctest(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         vision_ckpt.set_training_level(0)
-
