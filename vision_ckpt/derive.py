@@ -268,8 +268,6 @@ def _restricted(menus: Menus, previous: Sequence[str]) -> tuple[list[Block], lis
     blocks = []
     for block, before in zip(menus.blocks, previous, strict=True):
         options = [o for o in block.options if _allowed(before, o.strategy)]
-        if before == "stage":
-            options = [o for o in options if o.strategy in ("full", "nested")]
         blocks.append(Block(block.name, tuple(options)))
     spans = [
         s
@@ -281,10 +279,6 @@ def _restricted(menus: Menus, previous: Sequence[str]) -> tuple[list[Block], lis
 
 def _key(choice: Choice) -> tuple[str, ...]:
     return tuple(o.strategy for o in choice.options)
-
-
-def _least(blocks: Sequence[Block], base: int, spans: Sequence[ChainSpan]) -> Choice:
-    return least_memory(blocks, base, spans)
 
 
 @dataclass
@@ -521,7 +515,7 @@ def _plans(menus: Menus) -> list[tuple[dict[str, str], Choice]]:
     """Levels 1-5 as unit -> strategy, with the program's answer, before measuring (NOTE [ Five
     levels from one menu ])."""
     names = [b.name for b in menus.blocks]
-    least = _least(menus.blocks, menus.base, menus.spans)
+    least = least_memory(menus.blocks, menus.base, menus.spans)
     top_goal = int(least.peak * (1 + _TOP_SLACK))
     top = choose(menus.blocks, menus.base, top_goal, spans=menus.spans) or least
     goals = [int(menus.peak0 * (top.peak / menus.peak0) ** w) for w in _SPACING]
@@ -532,7 +526,7 @@ def _plans(menus: Menus) -> list[tuple[dict[str, str], Choice]]:
         blocks, spans = _restricted(menus, previous)
         choice = choose(blocks, menus.base, goal, spans=spans)
         if choice is None:  # the growing plan cannot reach the goal: its least memory
-            choice = _least(blocks, menus.base, spans)
+            choice = least_memory(blocks, menus.base, spans)
         previous = _key(choice)
         out.append((dict(zip(names, previous, strict=True)), choice))
     return out
