@@ -390,18 +390,23 @@ docstring; the ones without a results file here print their tables when run.
 """
 
 
+def _bench_script(name: str) -> Any:
+    """``benchmarks/<name>.py`` loaded as a module (the folder is no package), so a section is
+    drawn by the script's own table function and cannot disagree with its printout."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _derive_summary(data: dict) -> list[str]:
     """bench_derive's own summary of a results file (so its printout and this page agree):
     cells are peak MiB (step time and FLOPs against level 0) and the derived peak over the one
     it is compared with."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_derive", Path(__file__).parent / "bench_derive.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench_derive = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_derive)
+    bench_derive = _bench_script("bench_derive")
     return [
         "",
         "Summary (cells: peak MiB, then step time and FLOPs relative to level 0; after a comma, "
@@ -416,14 +421,7 @@ def _derive_summary(data: dict) -> list[str]:
 def _fit_summary(results: list[dict]) -> list[str]:
     """One table over every ``fit/*`` file, drawn by bench_fit's own ``table`` (so the script's
     printout and this page cannot disagree); the per-model sections below give every field."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_fit", Path(__file__).parent / "bench_fit.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench_fit = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_fit)
+    bench_fit = _bench_script("bench_fit")
     return [
         "## Largest batch that fits, per level and against each model's own switch (`fit`)",
         "",
