@@ -682,7 +682,7 @@ def _family_models() -> dict[str, tuple[str, Callable[[], Any], bool]]:
 
 
 def _describe(entry: Any, level: int) -> str:
-    """How ``entry`` runs at training ``level``: its region's strategy, and lean."""
+    """How ``entry`` runs at training ``level``: its region's span and keep, and lean."""
     rung = entry.rung_at(level) if entry.checkpointed else None
     text = ""
     if rung is not None:
@@ -692,11 +692,14 @@ def _describe(entry: Any, level: int) -> str:
             size = "about sqrt(n)" if rung.segments == "auto" else str(rung.segments)
             text = f"groups of {size} layers"
         else:
-            text = rung.strategy
+            keep = rung.keep
+            text = "full" if keep is None else "selective"
+            if keep is not None and keep.ops != "heavy":
+                text = f"keeping {', '.join(keep.ops)}"
             if rung.through is not None:
                 text += f" through `{rung.through}`"
-            if rung.recompute_below is not None:
-                text += f", redoing convs/matmuls under {rung.recompute_below} FLOPs per output"
+            if keep is not None and keep.below is not None:
+                text += f", redoing convs/matmuls under {keep.below} FLOPs per output"
     if entry.lean_at(level):
         text = f"{text}, lean" if text else "lean"
     return text
@@ -855,8 +858,8 @@ def render_presets_section() -> str:
         "",
         f"Rendered by `python benchmarks/render_docs.py --only presets` with {_versions()}. "
         "Each row lists the modules checkpointed at that training level (the default nesting, "
-        "`auto`): *full* recomputes the module, *selective* keeps its convolution, matmul and "
-        "attention outputs, *through* makes a run of sibling calls one region, *groups* split a "
+        "`auto`): *full* (`keep: nothing`) recomputes the module, *selective* (`keep: heavy`) "
+        "keeps its convolution, matmul and attention outputs, *through* makes a run of sibling calls one region, *groups* split a "
         "stack of layers, *lean* is the exact leaner MLP backward (not a region), *(nested)* "
         'a region checkpointed again inside a checkpointed one. "level k\'s plan": the level '
         "changes nothing over level k.",

@@ -99,9 +99,7 @@ def check_case(case: Case, core_calls: list[Any]) -> None:
             # "preset <name> #i", or "preset <name> <part>: preset <other> #i" for a part's rules
             assert all(e.origin.startswith(f"preset {case.preset} ") for e in applied)
         assert list(model.state_dict()) == keys
-        selective.append(
-            any(e.rung_at(level).strategy == "selective" for e in applied if e.checkpointed)
-        )
+        selective.append(any(e.rung_at(level).selective for e in applied if e.checkpointed))
         del core_calls[:]
         got = step(model, x)
         counts.append(len(core_calls))

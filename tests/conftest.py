@@ -144,11 +144,11 @@ FIXTURE_PRESETS: dict[str, list[dict[str, Any]]] = {
     # configs/presets/vit.yaml for a timm VisionTransformer: selective layers, full MLPs, full
     # layers, groups of about sqrt(depth) layers, lean MLPs and attention halves as runs.
     "vit_like": [
-        {"match": "blocks.*", "level": 1, "strategy": "selective"},
+        {"match": "blocks.*", "level": 1, "keep": "heavy"},
         {"match": "blocks.*.mlp", "level": 2},
         {"match": "blocks.*", "level": 3},
         {"match": "blocks", "level": 4, "segments": "auto"},
-        {"match": "blocks.*.mlp", "level": 5, "strategy": "lean"},
+        {"match": "blocks.*.mlp", "level": 5, "lean": True},
         {"match": "blocks.*.norm1", "level": 5, "through": "drop_path1"},
     ],
 }

@@ -251,9 +251,11 @@ def test_an_instance_forward_that_was_there_is_kept_and_restored(assert_exact):
 def test_deepcopy_and_pickle_of_an_applied_model(case, core_calls, assert_exact, exact_step):
     build, rules, shape = CASES[case]
     model = build()
-    # The selective policy object must survive the copies too.
-    selective = {"save_ops": ["aten.mm", "aten.addmm"]} if case == "vit" else None
-    apply(model, {"rules": rules, "selective": selective})
+    # The keep policy object must survive the copies too.
+    if case == "vit":
+        keep = {"ops": ["aten.mm", "aten.addmm"]}
+        rules = [{**r, "keep": keep} if r["level"] in (2, 3) else r for r in rules]
+    apply(model, {"rules": rules})
     x = torch.randn(shape)
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         core_calls.clear()
@@ -387,20 +389,19 @@ def test_glob_semantics_on_a_real_model():
 # --- selective checkpointing --------------------------------------------------------------
 
 
-def test_selective_save_ops_are_not_recomputed(op_counter, assert_exact, exact_step):
+def test_kept_operators_are_not_recomputed(op_counter, assert_exact, exact_step):
     x = torch.randn(2, 3, 16, 16)
     counts = {}
-    for key, selective in (
-        ("plain", None),
-        ("selective", {"save_ops": ["aten.mm", "aten.bmm", "aten.addmm"]}),
+    for key, keep in (
+        ("plain", "nothing"),
+        ("selective", {"ops": ["aten.mm", "aten.bmm", "aten.addmm"]}),
     ):
         model = make("vit")
         apply(
             model,
             {
                 "training_checkpoint_level": 3,
-                "rules": [{"match": "blocks.*", "level": 3}],
-                "selective": selective,
+                "rules": [{"match": "blocks.*", "level": 3, "keep": keep}],
             },
         )
         with op_counter() as ops:
@@ -415,9 +416,12 @@ def test_selective_save_ops_are_not_recomputed(op_counter, assert_exact, exact_s
 def test_selective_with_batchnorm(assert_exact, exact_step):
     x = torch.randn(2, 3, 8, 8)
     model = make("densenet")
-    apply(
-        model, {"rules": LEVEL_RULES["densenet"], "selective": {"save_ops": ["aten.convolution"]}}
-    )
+    keep = {"ops": ["aten.convolution"]}
+    rules = [
+        r if "segments" in r or "through" in r else {**r, "keep": keep}
+        for r in LEVEL_RULES["densenet"]
+    ]
+    apply(model, {"rules": rules})
     with training_level(2):
         got = exact_step(model, x)
     with training_level(0):
@@ -426,14 +430,13 @@ def test_selective_with_batchnorm(assert_exact, exact_step):
 
 def test_unknown_save_op_is_a_config_error():
     with pytest.raises(
-        ConfigError, match=r"selective\.save_ops: unknown operators \['aten\.nope'\]"
+        ConfigError,
+        match=r"rules\[0\] \(match='blocks' level=4 keep=aten\.mm\+aten\.nope\): keep: unknown "
+        r"operators \['aten\.nope'\]",
     ):
         plan(
             make("vit"),
-            {
-                "rules": [{"match": "blocks", "level": 4}],
-                "selective": {"save_ops": ["aten.mm", "aten.nope"]},
-            },
+            {"rules": [{"match": "blocks", "level": 4, "keep": {"ops": ["aten.mm", "aten.nope"]}}]},
         )
 
 

@@ -212,7 +212,7 @@ class _Stacks(nn.Module):
 
 
 RULES = [
-    {"match": "seq.*", "level": 1, "strategy": "selective"},
+    {"match": "seq.*", "level": 1, "keep": "heavy"},
     {"match": "seq.*", "level": 2},
     {"match": "seq", "level": 4, "segments": 2},
     {"match": "layers.*", "level": 3},
@@ -258,7 +258,7 @@ def test_offload_under_compile_is_a_full_region_and_warns() -> None:
     compiled = copy.deepcopy(eager)
     config = {
         "training_checkpoint_level": 3,
-        "rules": [{"match": "seq.1", "level": 3, "strategy": "offload"}],
+        "rules": [{"match": "seq.1", "level": 3, "offload": True}],
     }
     plan = vision_ckpt.apply(eager, config)
     vision_ckpt.apply(compiled, config)
@@ -269,9 +269,9 @@ def test_offload_under_compile_is_a_full_region_and_warns() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.compile(compiled, backend="aot_eager")(x).square().sum().backward()
-    assert [str(w.message) for w in caught if "'offload'" in str(w.message)] == [
-        "'seq.1' has strategy 'offload', which torch.compile does not apply: under compile the "
-        "region is a full one whose inputs stay on the device (gradients are exact). "
+    assert [str(w.message) for w in caught if "offload" in str(w.message)] == [
+        "'seq.1' is offloaded (offload: true), which torch.compile does not apply: under "
+        "compile the region is a full one whose inputs stay on the device (gradients are exact). "
         "CheckpointPlan.not_compiled lists such modules. (Shown once.)"
     ]
     expected = {n: p.grad for n, p in eager.named_parameters()}

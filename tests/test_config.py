@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from vision_ckpt import CheckpointConfig, ConfigError, Level, LevelRule, SelectiveConfig
+from vision_ckpt import CheckpointConfig, ConfigError, KeepOps, Level, LevelRule
 from vision_ckpt.config import PresetFamily, PresetFile, parse_memory_budget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ CONFIG_FILES = sorted(
 SCHEMAS: list[type[BaseModel]] = [
     CheckpointConfig,
     LevelRule,
-    SelectiveConfig,
+    KeepOps,
     PresetFamily,
     PresetFile,
 ]
@@ -56,7 +56,7 @@ def test_every_field_has_a_docstring_and_a_default(schema: type[BaseModel]) -> N
 def test_defaults() -> None:
     cfg = CheckpointConfig()
     assert cfg.training_checkpoint_level is None
-    assert cfg.rules == () and cfg.preset is None and cfg.selective is None
+    assert cfg.rules == () and cfg.preset is None
     assert cfg.nesting == "auto" and cfg.preserve_rng_state and cfg.strict
 
 
@@ -81,9 +81,14 @@ def test_round_trip_through_json_and_yaml(tmp_path: Path) -> None:
     cfg = CheckpointConfig(
         training_checkpoint_level=2,
         preset="vit",
-        rules=[{"match": "blocks.*", "match_type": "Block", "level": 3}],
+        rules=[
+            {"match": "blocks.*", "match_type": "Block", "level": 3},
+            {"match": "blocks.*", "level": 1, "keep": "heavy"},
+            {"match": "blocks.*.mlp", "level": 2, "keep": {"ops": ["aten.mm"], "below": 40}},
+            {"match": "blocks.*.mlp", "level": 5, "lean": True},
+            {"match": "blocks.*.attn", "level": 4, "offload": True},
+        ],
         nesting="outermost",
-        selective={"save_ops": ["aten.mm"]},
         strict=False,
     )
     data = cfg.model_dump(mode="json")
@@ -169,7 +174,7 @@ ALLOWED_LEVELS = r"allowed: 0 \(NONE\), 1 \(SINGLE_LAYER\), 2 \(SMALL_BLOCK\)"
         (
             {"rules": [{"match": "a", "levle": 1}]},
             r"rules\[0\]\.levle: unknown key 'levle'; allowed keys: match, match_type, level, "
-            r"strategy, segments, recompute_below, through\. "
+            r"keep, segments, through, lean, offload\. "
             r"Did you mean 'level'\?",
         ),
         ({"rules": [{"match": "a..b", "level": 1}]}, r"rules\[0\]\.match: .*empty component"),
@@ -204,12 +209,16 @@ ALLOWED_LEVELS = r"allowed: 0 \(NONE\), 1 \(SINGLE_LAYER\), 2 \(SMALL_BLOCK\)"
         ),
         ({"preset": " "}, r"preset: preset ' ' is empty; give a family name"),
         (
-            {"selective": {"save_ops": ["mm"]}},
-            r"selective\.save_ops: operator names \['mm'\] are not written 'namespace\.op'",
+            {"rules": [{"match": "a", "level": 1, "keep": {"ops": ["mm"]}}]},
+            r"rules\[0\]\.keep\.ops: operator names \['mm'\] are not written 'namespace\.op'",
         ),
         (
-            {"selective": {"save": ["aten.mm"]}},
-            r"selective\.save: unknown key 'save'; allowed keys: save_ops",
+            {"rules": [{"match": "a", "level": 1, "keep": {"save": ["aten.mm"]}}]},
+            r"rules\[0\]\.keep\.save: unknown key 'save'; allowed keys: ops, below",
+        ),
+        (
+            {"selective": {"save_ops": ["aten.mm"]}},
+            r"unknown key 'selective'.*What a region keeps is given per rule",
         ),
         ({"preserve_rng_state": "maybe"}, r"preserve_rng_state: .*boolean.*got 'maybe'"),
         ({"strict": 3}, r"strict: .*got 3"),
@@ -233,8 +242,8 @@ def test_all_errors_are_reported_at_once() -> None:
 def test_direct_rule_errors() -> None:
     with pytest.raises(ConfigError, match=r"invalid LevelRule:\n  level: value 9 .*allowed"):
         LevelRule(match="x", level=9)
-    with pytest.raises(ConfigError, match=r"invalid SelectiveConfig:\n  save_ops: "):
-        SelectiveConfig(save_ops=["mm"])
+    with pytest.raises(ConfigError, match=r"invalid KeepOps:\n  ops: "):
+        KeepOps(ops=["mm"])
 
 
 def test_file_errors(tmp_path: Path) -> None:

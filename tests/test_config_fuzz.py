@@ -168,7 +168,7 @@ yaml_pieces = st.sampled_from(
         "preset: vit",
         "training_checkpoint_level: auto",
         "memory_budget: 1GiB",
-        "selective: {save_ops: [x]}",
+        "rules: [{match: a, level: 1, keep: {ops: [x]}}]",
         "!!float ",
         ".inf",
         "~",

@@ -144,7 +144,7 @@ def _selective_regions(plan: Any, level: int) -> list[str]:
     out = []
     for entry in plan:
         rung = entry.rung_at(level)
-        if entry.checkpointed and rung is not None and rung.strategy == "selective":
+        if entry.checkpointed and rung is not None and rung.selective:
             out.append(entry.name)
     return out
 
@@ -231,7 +231,8 @@ def test_a_policy_naming_cpu_batch_norm_keeps_nothing_on_cuda_and_says_so(monkey
     for device in ("cpu", "cuda"):
         torch.manual_seed(0)
         model = _resnet().train()
-        vision_ckpt.apply_preset(model, 1, selective={"save_ops": names})
+        keep = {"match": "layer*", "level": 1, "keep": {"ops": names}}
+        vision_ckpt.apply_preset(model, 1, rules=[keep])
         with _recorded(model, stages, monkeypatch) as seen:
             if device == "cpu":
                 model(torch.randn(2, 3, 32, 32))

@@ -135,7 +135,7 @@ def test_bad_arguments_say_what_was_expected(kwargs, message) -> None:
 def test_the_planner_row_plans_at_the_best_levels_batch() -> None:
     config = CheckpointConfig(
         rules=[
-            {"match": "blocks.*", "level": 1, "strategy": "selective"},
+            {"match": "blocks.*", "level": 1, "keep": "heavy"},
             {"match": "blocks.*", "level": 3},
         ]
     )

@@ -161,7 +161,7 @@ _GROUPS = {"match": "blocks", "level": 4, "segments": "auto"}
         (  # BEiT's level 4 is lean MLPs, and groups besides them
             "beit_base_patch16_224",
             {"patch_size": 8, "embed_dim": 32, "num_heads": 2},
-            [*_LAYERS, {"match": "blocks.*.mlp", "level": 4, "strategy": "lean"}, _GROUPS],
+            [*_LAYERS, {"match": "blocks.*.mlp", "level": 4, "lean": True}, _GROUPS],
         ),
         (  # a rotary embedding passed to each layer, and to the level-5 run of norm1 and attn
             "eva02_tiny_patch14_224",

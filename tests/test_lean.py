@@ -20,7 +20,7 @@ import vision_ckpt
 from vision_ckpt import CheckpointError, ConfigError
 from vision_ckpt._memory import track_peak_memory
 
-LEAN = {"match": "blocks.*.mlp", "level": 1, "strategy": "lean"}
+LEAN = {"match": "blocks.*.mlp", "level": 1, "lean": True}
 
 
 def _vit(**kwargs) -> nn.Module:
@@ -125,7 +125,7 @@ def test_the_plan_shows_lean_beside_the_regions(scratch_preset):
     ("rules", "message"),
     [
         (
-            [{"match": "blocks.*.attn", "level": 1, "strategy": "lean"}],
+            [{"match": "blocks.*.attn", "level": 1, "lean": True}],
             r"makes 'blocks.0.attn' lean, but it is a Attention, not a timm Mlp.*"
             r"Select the MLP modules themselves",
         ),
@@ -136,11 +136,11 @@ def test_the_plan_shows_lean_beside_the_regions(scratch_preset):
         ),
         (
             [LEAN | {"segments": 2}],
-            r"segments 2 with strategy 'lean'",
+            r"is lean and gives segments=2; a lean MLP is not a region",
         ),
         (
             [LEAN | {"through": "norm2"}],
-            r"strategy 'lean'; a run of sibling modules is checkpointed as one full region",
+            r"is lean and gives through=norm2; a lean MLP is not a region, so it has no span",
         ),
     ],
 )
@@ -192,7 +192,7 @@ def test_a_second_derivative_is_an_error_that_says_how_to_opt_out():
     """A gradient penalty differentiates the MLP's backward, which lean takes in place."""
     plain, x = _sequential_mlp()
     lean = _lean(copy.deepcopy(plain))
-    with pytest.raises(CheckpointError, match=r"create_graph=True.*'level': 0, 'strategy'"):
+    with pytest.raises(CheckpointError, match=r"create_graph=True.*'level': 0, 'lean': True"):
         torch.autograd.grad(lean(x).square().sum(), x, create_graph=True)
     vision_ckpt.apply(
         lean, {"training_checkpoint_level": 1, "rules": [LEAN | {"match": "0", "level": 0}]}
@@ -256,7 +256,7 @@ def test_a_rule_on_an_mlp_with_hooks_is_an_error():
 
 
 def test_a_level_0_lean_rule_takes_away_the_lean_level_only(scratch_preset):
-    opt_out = {"match": "blocks.*.mlp", "level": 0, "strategy": "lean"}
+    opt_out = {"match": "blocks.*.mlp", "level": 0, "lean": True}
     preset = scratch_preset("vit_like")
     plan = vision_ckpt.plan(
         _vit(), {"training_checkpoint_level": 2, "preset": preset, "rules": [opt_out]}

@@ -267,7 +267,7 @@ def test_swinunetr_decoder_is_checkpointed_unlike_monais_switch() -> None:
     cnn = [e for e in p if e.class_name == "UnetResBlock"]
     assert len(cnn) == 10
     assert all(
-        [(r.level, r.strategy) for r in e.rungs] == [(1, "selective"), (2, "full")] for e in cnn
+        [(r.level, r.what) for r in e.rungs] == [(1, "keep heavy<256"), (2, "full")] for e in cnn
     )
 
     torch.manual_seed(0)

@@ -146,7 +146,7 @@ def _peak(model: torch.nn.Module, x: torch.Tensor) -> int:
 
 CONFIG = CheckpointConfig(
     rules=[
-        {"match": "blocks.*", "level": 1, "strategy": "selective"},
+        {"match": "blocks.*", "level": 1, "keep": "heavy"},
         {"match": "blocks.*.mlp", "level": 2},
         {"match": "blocks.*", "level": 3},
     ]
@@ -200,7 +200,7 @@ def test_six_blocks_plan_is_as_fast_as_exhaustive_search_and_fits() -> None:
             assert rung is None or not entry.checkpointed, name
         else:
             assert entry.checkpointed and rung is not None, name
-            assert rung.strategy == ("selective" if strategy == "selective" else "full"), name
+            assert rung.selective == (strategy == "selective"), name
         mlp = next((e for e in plan.entries if e.name == f"{name}.mlp"), None)
         assert (mlp is not None and mlp.checkpointed) == (strategy == "nested"), name
     # ... and fits the budget at the target batch
@@ -294,7 +294,7 @@ def test_stage_strategy_runs_whole_stages_selective_exactly_and_fits() -> None:
     (per-block regions keep it as their inputs): the planner offers it and its plan is exact."""
     model, x = _resnet18(), torch.randn(2, 3, 64, 64)
     target = torch.randn(48, 3, 64, 64)
-    stages = {"match": "layer*", "level": 1, "strategy": "selective"}
+    stages = {"match": "layer*", "level": 1, "keep": "heavy"}
     peaks = {}
     for level in (0, 1):  # level 1: every stage selective
         vision_ckpt.apply(model, CheckpointConfig(training_checkpoint_level=level, rules=[stages]))
@@ -311,9 +311,7 @@ def test_stage_strategy_runs_whole_stages_selective_exactly_and_fits() -> None:
     assert members == {n for n in result.strategies if n.split(".")[0] in result.stages}
     plan = vision_ckpt.plan(model, result.config)
     assert set(plan.checkpointed) == set(result.stages)
-    assert all(
-        plan[n].rung_at(int(plan.training_level)).strategy == "selective" for n in result.stages
-    )
+    assert all(plan[n].rung_at(int(plan.training_level)).selective for n in result.stages)
     reference = copy.deepcopy(model)
     torch.manual_seed(1)
     default_loss(reference(x)).backward()

@@ -277,7 +277,7 @@ def test_preset_rules_labels_and_drops_rules_that_select_nothing(scratch_preset)
     # blocks a basic-block ResNet does not have between two that every ResNet has
     name = scratch_preset(
         [
-            {"match": "layer*", "level": 1, "strategy": "selective"},
+            {"match": "layer*", "level": 1, "keep": "heavy"},
             {"match": "re:layer3\\.[01]", "match_type": "Bottleneck", "level": 2},
             {"match": "layer*.*", "level": 3},
         ],
@@ -329,7 +329,7 @@ def test_timm_feature_wrapper_takes_its_architectures_preset(arch: str) -> None:
     cfg = CheckpointConfig(training_checkpoint_level=5, preset="auto")
 
     def rungs(entries) -> dict[str, list[tuple[int, str]]]:
-        return {e.name: [(int(r.level), r.strategy) for r in e.rungs] for e in entries}
+        return {e.name: [(int(r.level), str(r.keep)) for r in e.rungs] for e in entries}
 
     want = {n: r for n, r in rungs(plan(original, cfg)).items() if n in kept}
     got = {original_name(n): r for n, r in rungs(plan(features, cfg)).items()}
@@ -362,13 +362,13 @@ def test_plan_reports_preset_origins(scratch_preset) -> None:
     name = scratch_preset(
         [
             {"match": "stem", "level": 1},
-            {"match": "stages.*", "level": 1, "strategy": "selective"},
+            {"match": "stages.*", "level": 1, "keep": "heavy"},
             {"match": "stages.*.blocks.*", "level": 3},
             {"match": "stages.*.downsample", **downsample, "level": 3},
             {"match": "stages.0.blocks.*", "level": 2},
             {"match": "stages.1.blocks.*", "level": 2},
             {"match": "stages.1.downsample", **downsample, "level": 2},
-            {"match": "stages.2.blocks.*", "level": 2, "strategy": "selective"},
+            {"match": "stages.2.blocks.*", "level": 2, "keep": "heavy"},
         ],
         name="convnext_like",
     )
@@ -380,8 +380,8 @@ def test_plan_reports_preset_origins(scratch_preset) -> None:
     # The stage: selective at 1 (rule #1), stepping aside from 2 where its blocks are whole;
     # levels 4-5 are level 3's plan, so neither the stage nor all stages is a full region.
     assert p["stages.0"].origin == "preset convnext_like #1"
-    assert [str(r) for r in p["stages.0"].rungs] == ["selective 1 only"]
-    assert [str(r) for r in p["stages.2"].rungs] == ["selective 1-2"]
+    assert [str(r) for r in p["stages.0"].rungs] == ["keep heavy 1 only"]
+    assert [str(r) for r in p["stages.2"].rungs] == ["keep heavy 1-2"]
     assert "stages" not in {e.name for e in p}
     assert p["stages.1.downsample"].origin == "preset convnext_like #6"
     assert p["stages.2.downsample"].origin == "preset convnext_like #3"
@@ -389,7 +389,7 @@ def test_plan_reports_preset_origins(scratch_preset) -> None:
 
 def _strategy_at(p: CheckpointPlan, name: str, level: int) -> str:
     rung = p[name].rung_at(level)
-    return "-" if rung is None else rung.strategy
+    return "-" if rung is None else ("selective" if rung.selective else "full")
 
 
 @pytest.mark.parametrize(

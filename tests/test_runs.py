@@ -219,9 +219,9 @@ def test_eval_and_no_grad_run_plainly(core_calls) -> None:
             r"through 'body\.0' is not a sibling's name",
         ),
         (
-            {"match": "conv", "level": 1, "through": "pool", "strategy": "selective"},
-            r"runs its module through 'pool' with strategy 'selective'; a run of sibling "
-            r"modules is checkpointed as one full region",
+            {"match": "conv", "level": 1, "through": "pool", "keep": "heavy"},
+            r"keeps heavy in a region spanned by through; a run of calls or a group of layers "
+            r"is recomputed whole",
         ),
     ],
 )
@@ -327,7 +327,7 @@ def test_a_presets_run_applies_to_the_blocks_that_have_it() -> None:
     # the later stages stay selective at every level: no whole block, no run there
     for level in range(1, 6):
         p = at3.at_level(level)
-        assert p["blocks.2"].checkpointed and p["blocks.2"].rung_at(level).strategy == "selective"
+        assert p["blocks.2"].checkpointed and p["blocks.2"].rung_at(level).selective
         assert not any(e.checkpointed for e in p if e.name.startswith("blocks.2."))
     v1 = runs("mobilenetv1_100")  # depthwise-separable blocks in every stage
     assert "blocks.1.0.conv_dw" in v1 and not any(n.endswith("conv_pw") for n in v1)

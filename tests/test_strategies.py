@@ -98,8 +98,8 @@ def test_stage_selective_frees_what_block_selective_cannot():
     model = timm.create_model("resnet50", pretrained=False, num_classes=5).train()
     x = torch.randn(2, 3, 64, 64)
     keep = {"training_checkpoint_level": 1, "strict": True}
-    per_block = {**keep, "rules": [{"match": "layer*.*", "level": 1, "strategy": "selective"}]}
-    per_stage = {**keep, "rules": [{"match": "layer*", "level": 1, "strategy": "selective"}]}
+    per_block = {**keep, "rules": [{"match": "layer*.*", "level": 1, "keep": "heavy"}]}
+    per_stage = {**keep, "rules": [{"match": "layer*", "level": 1, "keep": "heavy"}]}
     vision_ckpt.apply(model, per_block)
     block_kept = _kept_bytes(model, x)
     vision_ckpt.apply(model, per_stage)
@@ -111,17 +111,17 @@ def test_stage_selective_frees_what_block_selective_cannot():
 def test_a_selective_rung_steps_aside_where_a_full_region_inside_it_starts(scratch_preset):
     model, _ = _model("resnet50")
     stages_and_blocks = [
-        {"match": "layer*", "level": 1, "strategy": "selective"},
+        {"match": "layer*", "level": 1, "keep": "heavy"},
         {"match": "layer*.*", "level": 3},
     ]
     cfg = CheckpointConfig(preset=scratch_preset(stages_and_blocks))
     at1 = vision_ckpt.plan(model, cfg).at_level(1)
-    assert at1["layer1"].checkpointed and at1["layer1"].rung_at(1).strategy == "selective"
+    assert at1["layer1"].checkpointed and at1["layer1"].rung_at(1).selective
     assert not at1["layer1.0"].checkpointed
     at3 = at1.at_level(3)
     assert not at3["layer2"].checkpointed and at3["layer2"].rung_at(3) is None
-    assert at3["layer2.0"].checkpointed and at3["layer2.0"].rung_at(3).strategy == "full"
-    assert "selective 1-2" in str(at3)
+    assert at3["layer2.0"].checkpointed and not at3["layer2.0"].rung_at(3).selective
+    assert "keep heavy 1-2" in str(at3)
 
 
 def test_plan_counts_the_regions_the_forward_checkpoints(
@@ -188,18 +188,38 @@ def test_segments_need_a_plain_sequential() -> None:
     ("rule", "message"),
     [
         (
-            {"match": "a", "level": 4, "segments": "auto", "strategy": "selective"},
-            r"segments 'auto' with strategy 'selective'.*use strategy 'full'",
+            {"match": "a", "level": 4, "segments": "auto", "keep": "heavy"},
+            r"keeps heavy in a region spanned by segments; a run of calls or a group of layers "
+            r"is recomputed whole: drop keep",
+        ),
+        (
+            {"match": "a", "level": 4, "segments": 2, "through": "b"},
+            r"gives both through and segments; a region spans one module, a run",
+        ),
+        (
+            {"match": "a", "level": 1, "keep": "partial"},
+            r"keep 'partial' is not a keep policy; allowed: 'nothing'",
+        ),
+        (
+            {"match": "a", "level": 1, "keep": {"ops": []}},
+            r"keep\.ops: an empty list keeps nothing; write keep: nothing",
+        ),
+        (
+            {"match": "a", "level": 1, "keep": {"below": 0}},
+            r"keep\.below: Input should be greater than or equal to 1",
+        ),
+        (
+            {"match": "a", "level": 1, "strategy": "selective"},
+            r"unknown key 'strategy'.*'strategy: selective' is now 'keep: heavy'",
         ),
         (
             {"match": "a", "level": 1, "recompute_below": 64},
-            r"recompute_below 64 with strategy 'full'.*add strategy: selective",
+            r"unknown key 'recompute_below'.*'keep: \{ops: heavy, below: N\}'",
         ),
-        ({"match": "a", "level": 1, "strategy": "partial"}, r"strategy: got 'partial'"),
         ({"match": "a", "level": 4, "segments": 0}, r"segments"),
     ],
 )
-def test_strategy_options_are_validated(rule: dict, message: str) -> None:
+def test_region_options_are_validated(rule: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         CheckpointConfig(rules=[rule])
 
@@ -210,8 +230,14 @@ def test_an_operator_no_region_runs_is_reported() -> None:
     model.append(nn.Linear(4 * 36, 2)).train()
     cfg = {
         "training_checkpoint_level": 3,
-        "rules": [{"match": str(i), "level": 3} for i in range(5)],
-        "selective": {"save_ops": ["aten.mkldnn_convolution", "aten.addmm"]},
+        "rules": [
+            {
+                "match": str(i),
+                "level": 3,
+                "keep": {"ops": ["aten.mkldnn_convolution", "aten.addmm"]},
+            }
+            for i in range(5)
+        ],
     }
     vision_ckpt.apply(model, cfg)
     with pytest.warns(
@@ -231,7 +257,7 @@ def test_the_default_heavy_set_warns_only_when_none_of_it_runs() -> None:
         model,
         {
             "training_checkpoint_level": 1,
-            "rules": [{"match": "0", "level": 1, "strategy": "selective"}],
+            "rules": [{"match": "0", "level": 1, "keep": "heavy"}],
         },
     )
     with warnings.catch_warnings():
@@ -242,7 +268,7 @@ def test_the_default_heavy_set_warns_only_when_none_of_it_runs() -> None:
         norm_only,
         {
             "training_checkpoint_level": 1,
-            "rules": [{"match": "1", "level": 1, "strategy": "selective"}],
+            "rules": [{"match": "1", "level": 1, "keep": "heavy"}],
         },
     )
     with pytest.warns(UserWarning, match=r"ran none of the operators aten.convolution, aten.mm"):
@@ -260,7 +286,7 @@ def test_a_kept_output_written_in_place_stays_exact(assert_exact, exact_step) ->
         model,
         {
             "training_checkpoint_level": 1,
-            "rules": [{"match_type": "Sequential", "level": 1, "strategy": "selective"}],
+            "rules": [{"match_type": "Sequential", "level": 1, "keep": "heavy"}],
         },
     )
     assert_exact(exact_step(model, x), reference)
@@ -296,8 +322,8 @@ class _SeededThenRandom(nn.Module):
         return x + self.fc2(h) * keep
 
 
-def test_a_seeded_operator_named_in_save_ops_is_recomputed(assert_exact, exact_step) -> None:
-    """NOTE [ Random operators are recomputed ]: save_ops names aten.native_dropout, yet its
+def test_a_seeded_operator_named_in_keep_is_recomputed(assert_exact, exact_step) -> None:
+    """NOTE [ Random operators are recomputed ]: keep names aten.native_dropout, yet its
     output is not kept, so the recomputation draws what the forward drew and the gradients equal
     the plain model's exactly (keeping it would shift the dropout and drop-path masks after it)."""
     torch.manual_seed(0)
@@ -308,8 +334,9 @@ def test_a_seeded_operator_named_in_save_ops_is_recomputed(assert_exact, exact_s
         model,
         {
             "training_checkpoint_level": 1,
-            "rules": [{"match": "*", "level": 1, "strategy": "selective"}],
-            "selective": {"save_ops": ["aten.native_dropout", "aten.addmm"]},
+            "rules": [
+                {"match": "*", "level": 1, "keep": {"ops": ["aten.native_dropout", "aten.addmm"]}}
+            ],
         },
     )
     assert_exact(exact_step(model, x), reference)
@@ -336,7 +363,7 @@ def test_a_kept_output_written_in_place_under_fake_tensors() -> None:
             model,
             {
                 "training_checkpoint_level": 1,
-                "rules": [{"match_type": "Sequential", "level": 1, "strategy": "selective"}],
+                "rules": [{"match_type": "Sequential", "level": 1, "keep": "heavy"}],
             },
         )
         with warnings.catch_warnings():
@@ -348,7 +375,7 @@ def test_a_kept_output_written_in_place_under_fake_tensors() -> None:
 def test_offload_is_a_full_region_that_does_nothing_on_cpu_and_says_so(
     assert_exact, exact_step
 ) -> None:
-    """strategy 'offload' (NOTE [ Offloaded inputs ]): on CPU the region keeps its inputs as a
+    """offload: true (NOTE [ Offloaded inputs ]): on CPU the region keeps its inputs as a
     full one does (the gradients are the plain model's), and the plan says that offload does
     nothing here and is not applied under torch.compile."""
     torch.manual_seed(0)
@@ -358,11 +385,11 @@ def test_offload_is_a_full_region_that_does_nothing_on_cpu_and_says_so(
         model,
         {
             "training_checkpoint_level": 2,
-            "rules": [{"match": "0", "level": 2, "strategy": "offload"}],
+            "rules": [{"match": "0", "level": 2, "offload": True}],
         },
     )
     entry = plan["0"]
-    assert entry.checkpointed and entry.rungs[0].offload and entry.rungs[0].strategy == "full"
+    assert entry.checkpointed and entry.rungs[0].offload and not entry.rungs[0].selective
     assert str(entry.rungs[0]) == "offload 2"
     assert plan.offloaded == (entry,) and plan.not_compiled == ("0 (offload)",)
     assert "on CUDA only: on cpu this does nothing" in str(plan)
@@ -372,11 +399,11 @@ def test_offload_is_a_full_region_that_does_nothing_on_cpu_and_says_so(
 
 
 def test_offload_takes_no_segments_or_through() -> None:
-    with pytest.raises(ValueError, match="segments split a stack of layers"):
+    with pytest.raises(ValueError, match="offloads and gives segments=2; an offloaded region"):
         CheckpointConfig.model_validate(
-            {"rules": [{"match": "a", "level": 4, "strategy": "offload", "segments": 2}]}
+            {"rules": [{"match": "a", "level": 4, "offload": True, "segments": 2}]}
         )
-    with pytest.raises(ValueError, match="a run of sibling modules is checkpointed as one full"):
+    with pytest.raises(ValueError, match="offloads and gives through=b; an offloaded region is"):
         CheckpointConfig.model_validate(
-            {"rules": [{"match": "a", "level": 1, "strategy": "offload", "through": "b"}]}
+            {"rules": [{"match": "a", "level": 1, "offload": True, "through": "b"}]}
         )

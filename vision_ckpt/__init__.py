@@ -34,8 +34,8 @@ from . import _torch_floor
 from ._version import __version__ as __version__
 from .config import (
     CheckpointConfig as CheckpointConfig,
+    KeepOps as KeepOps,
     LevelRule as LevelRule,
-    SelectiveConfig as SelectiveConfig,
 )
 from .errors import (
     CheckpointError as CheckpointError,
@@ -166,7 +166,7 @@ __all__ = [
     "parse_level",
     "CheckpointConfig",
     "LevelRule",
-    "SelectiveConfig",
+    "KeepOps",
     "ActivationCheckpointing",
     "training_level",
     "set_training_level",

@@ -142,11 +142,7 @@ class CheckpointedForward:
         policy = self.policy
         pinned = policy.training_level
         rungs = ", ".join(
-            [
-                f"{r.strategy}{'' if r.segments is None else f'/segments={r.segments}'}"
-                f"@{int(r.level)}"
-                for r in policy.rungs
-            ]
+            [f"{r.what}@{int(r.level)}" for r in policy.rungs]
             + ([] if policy.lean is None else [f"lean@{int(policy.lean)}"])
         )
         return (
@@ -355,7 +351,7 @@ class ChainedForward(CheckpointedForward):
     def __repr__(self) -> str:
         alone = ""
         if self.own is not None and self.own.rungs:
-            rungs = ", ".join(f"{r.strategy}@{int(r.level)}" for r in self.own.rungs)
+            rungs = ", ".join(f"{r.what}@{int(r.level)}" for r in self.own.rungs)
             alone = f"; alone below the run: {rungs}"
         return f"<member {self.index} of the checkpointed run {self.chain.label!r}{alone}>"
 

@@ -1,4 +1,4 @@
-"""An exact MLP backward that holds one hidden-size tensor fewer: a rule's strategy ``lean``.
+"""An exact MLP backward that holds one hidden-size tensor fewer: a rule's ``lean: true``.
 
 Knows nothing of levels; :mod:`vision_ckpt._install` decides when a module runs this way.
 """
@@ -61,7 +61,7 @@ class _LeanMlp(torch.autograd.Function):
                 "a lean MLP's backward ran with create_graph=True (for a second derivative, a "
                 "gradient penalty): it takes GELU's gradient in place and is not itself "
                 "differentiable. Take the lean level away for such training, with a "
-                "rule {'match': '<the MLPs>', 'level': 0, 'strategy': 'lean'} after the preset."
+                "rule {'match': '<the MLPs>', 'level': 0, 'lean': True} after the preset."
             )
         grad = grad.reshape(-1, grad.shape[-1])
         hidden = hidden.view(-1, hidden.shape[-1])

@@ -172,7 +172,7 @@ def _candidate_blocks(plan: Any) -> list[Any]:
     for entry in plan.entries:
         for rung in entry.rungs or ():
             by_level.setdefault(int(rung.level), []).append(entry)
-            if int(rung.level) == 2 and rung.strategy == "full" and not rung.group:
+            if int(rung.level) == 2 and not rung.selective and not rung.group:
                 # whole from level 2 on: a block of a preset that recomputes its memory-dense
                 # blocks first (ResNet's layer1-2), one of level 3's blocks
                 by_level.setdefault(3, []).append(entry)
@@ -213,7 +213,7 @@ def _with_stage_blocks(model: torch.nn.Module, base: CheckpointConfig, plan: Any
     blocks = []
     for entry in plan.entries:
         rungs = entry.rungs or ()
-        if not entry.name or not rungs or any(r.strategy != "selective" for r in rungs):
+        if not entry.name or not rungs or any(not r.selective for r in rungs):
             continue
         if any(n.startswith(entry.name + ".") for n in planned):
             continue
@@ -439,7 +439,7 @@ def _strategy_config(
                 LevelRule(
                     match=exact_name_pattern(entry.name),
                     level=_LEVEL["selective"],
-                    strategy="selective",
+                    keep="heavy",
                 )
             )
             continue
@@ -450,7 +450,7 @@ def _strategy_config(
             LevelRule(
                 match=exact_name_pattern(entry.name),
                 level=_LEVEL[strategy],
-                strategy="selective" if strategy == "selective" else "full",
+                keep="heavy" if strategy == "selective" else None,
                 through=None if strategy == "selective" else _block_run(entry),
             )
         )

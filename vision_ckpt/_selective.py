@@ -1,10 +1,11 @@
-"""The selective operator policy: which operator outputs a ``selective`` region keeps.
+"""The operator keep policy: which operator outputs a region with a ``keep`` keeps.
 
-A selective region is checkpointed with torch's selective-checkpoint contexts: while it runs
+A region that keeps operator outputs (a rule's ``keep: heavy`` or ``keep: {ops: [...]}``, a
+*selective* region) is checkpointed with torch's selective-checkpoint contexts: while it runs
 forward, every operator is asked whether its output is kept (the recomputation then returns the
 kept tensor) or recomputed. :class:`SaveOps` is that policy: it keeps the outputs of named
 operators (:data:`HEAVY_OPS` by default: convolutions, matrix products, fused attention),
-optionally only those that cost at least ``recompute_below`` FLOPs per output element
+optionally only those that cost at least ``below`` FLOPs per output element
 (:func:`flops_per_output`), never those of a random operator, and it guards what it keeps
 against in-place writes. The wrapper decides *whether* a region is selective at the training
 level (NOTE [ Selective regions step aside ] in ``wrapper.py``); this module decides what such a
@@ -30,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import _core
+from .config import KeepOps
 from .errors import ConfigError
 
 __all__ = ["HEAVY_OPS", "SaveOps", "bind_region", "flops_per_output"]
@@ -46,7 +48,7 @@ HEAVY_OPS: tuple[str, ...] = (
     "aten._scaled_dot_product_efficient_attention",
     "aten._scaled_dot_product_cudnn_attention",
 )
-"""The operators whose outputs a ``selective`` strategy keeps by default: convolutions, matrix
+"""The operators whose outputs ``keep: heavy`` keeps: convolutions, matrix
 products and fused attention, as autograd dispatches them (what a region's dispatch mode sees)."""
 
 
@@ -93,6 +95,16 @@ class SaveOps:
         self._met: set[Any] = set()  # operator packets the forwards of its regions ran
         self._checked = False
 
+    @classmethod
+    def for_keep(cls, keep: KeepOps) -> SaveOps:
+        """The policy of a rule's ``keep`` (``heavy`` is :data:`HEAVY_OPS`).
+
+        >>> SaveOps.for_keep(KeepOps(ops=["aten.mm"], below=40))
+        save_ops['aten.mm'], recompute_below=40
+        """
+        heavy = keep.ops == "heavy"
+        return cls(HEAVY_OPS if heavy else keep.ops, keep.below, default=heavy)
+
     def resolve(self) -> frozenset[Any]:
         """The ``torch.ops`` objects for the names; ConfigError naming the unknown ones."""
         if self._ops is None:
@@ -105,7 +117,7 @@ class SaveOps:
                     ops.append(op)
             if unknown:
                 raise ConfigError(
-                    f"selective.save_ops: unknown operators {unknown}; write them as in "
+                    f"keep: unknown operators {unknown}; write them as in "
                     "torch.ops, e.g. 'aten.mm', 'aten.addmm', 'aten.convolution', "
                     "'aten._scaled_dot_product_efficient_attention' (check with "
                     "hasattr(torch.ops.aten, name))."
@@ -185,7 +197,7 @@ class SaveOps:
             f"{', '.join(unmet)} in their forward, so nothing was kept for them (first region "
             f"recomputed: {region!r}). Operators they ran: {shown or 'none'}. A region sees "
             "operators as autograd dispatches them (aten.convolution, not "
-            "aten.mkldnn_convolution): name those in selective.save_ops.",
+            "aten.mkldnn_convolution): name those in the rule's keep: {ops: [...]}.",
             UserWarning,
             stacklevel=2,
         )

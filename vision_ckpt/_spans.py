@@ -97,7 +97,7 @@ class Span:
         elif self.kind == "groups":
             rule["segments"] = "auto"
         elif self.kind == "lean":
-            rule["strategy"] = "lean"
+            rule["lean"] = True
         return rule
 
 

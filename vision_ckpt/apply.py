@@ -27,8 +27,8 @@ from torch import nn
 
 from ._install import install, install_chain, uninstall
 from ._lean import lean_mlp_problem
-from ._selective import HEAVY_OPS, SaveOps
-from .config import CheckpointConfig, LevelRule
+from ._selective import SaveOps
+from .config import CheckpointConfig, KeepOps, LevelRule
 from .errors import ConfigError
 from .levels import Level, is_checkpointed, parse_level
 from .matching import ModuleMatcher, later_siblings, qualified_class_name
@@ -78,7 +78,7 @@ class PlanEntry:
     is therefore recomputed like a group (see ``CheckpointConfig.nesting``)."""
     lean: Level | None = None
     """The training level from which the module (a timm ``Mlp``) runs with the lean backward
-    (``LevelRule.strategy``), or ``None``. Not a region: ``rungs`` and ``checkpointed`` leave it
+    (``LevelRule.lean``), or ``None``. Not a region: ``rungs`` and ``checkpointed`` leave it
     out."""
 
     def lean_at(self, level: int) -> bool:
@@ -117,11 +117,9 @@ class CheckpointPlan:
     """``all`` or ``outermost``, as in the config."""
     preserve_rng_state: bool
     """As in the config."""
-    save_ops: tuple[str, ...] | None
-    """Selective checkpointing: the ops whose outputs are kept, or ``None``."""
     device: str | None = field(default=None, compare=False)
     """The device type of the model's first parameter when planned (``cuda``, ``cpu``), or
-    ``None``: where strategy ``offload`` does something (on CUDA) or nothing. Not compared:
+    ``None``: where ``offload`` does something (on CUDA) or nothing. Not compared:
     a plan made on the meta device equals the one made after materialising."""
 
     def __len__(self) -> int:
@@ -148,11 +146,11 @@ class CheckpointPlan:
         """What applies at the plan's training level but not under torch.compile, where the
         first compiled call warns once about each: the runs of sibling calls (their labels;
         there the run's first module is checkpointed alone with the run's rung, the others as
-        their own rules say) and the modules of strategy ``offload`` (``'name (offload)'``;
+        their own rules say) and the offloaded modules (``'name (offload)'``;
         plain full regions there). Everything else applies under compile as in eager
         (docs/compile.md).
 
-        >>> CheckpointPlan("M", (), Level.NONE, None, "all", True, None).not_compiled
+        >>> CheckpointPlan("M", (), Level.NONE, None, "all", True).not_compiled
         ()
         """
         offload = [f"{e.name} (offload)" for e in self.offloaded]
@@ -169,7 +167,7 @@ class CheckpointPlan:
 
     @property
     def offloaded(self) -> tuple[PlanEntry, ...]:
-        """The entries whose region at the plan's training level has strategy ``offload``."""
+        """The entries whose region at the plan's training level is offloaded."""
         out = []
         for e in self.entries:
             rung = e.rung_at(self.training_level) if e.checkpointed else None
@@ -193,7 +191,7 @@ class CheckpointPlan:
         Only the display and :attr:`checkpointed` change; applying it still follows
         :attr:`pinned_training_level` (or the global level).
 
-        >>> CheckpointPlan("M", (), Level.NONE, None, "all", True, None).at_level(3).training_level
+        >>> CheckpointPlan("M", (), Level.NONE, None, "all", True).at_level(3).training_level
         <Level.MEDIUM_MODULE: 3>
         """
         lv = parse_level(level, what="training level")
@@ -217,8 +215,6 @@ class CheckpointPlan:
             f"({source}), nesting {self.nesting}, {len(self.checkpointed)} of {len(self)} "
             "selected modules checkpointed"
         )
-        if self.save_ops:
-            title += f", saving outputs of {', '.join(self.save_ops)}"
         nested = self._nested_by_fallback()
         if nested:
             title += (
@@ -230,7 +226,7 @@ class CheckpointPlan:
             table.add_column(column, overflow="fold")
         for e in self.entries:
             rung = e.rung_at(self.training_level) if e.checkpointed else None
-            now = "-" if rung is None else ("segments" if rung.segments else rung.strategy)
+            now = "-" if rung is None else rung.what
             if e.lean_at(self.training_level):
                 now = "lean" if rung is None else f"{now}, lean"
             levels = [str(r) for r in e.rungs] + ([] if e.lean is None else [f"lean {e.lean:d}"])
@@ -359,7 +355,7 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
     Raises:
         ConfigError: the config is invalid, a config rule selects no module (a warning instead
             with ``strict: false``), the training level is ``auto``, a preset is unavailable,
-            or a ``selective.save_ops`` name is not a torch op.
+            or a ``keep`` names an operator torch does not have.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
@@ -372,7 +368,7 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
     vision_ckpt.errors.ConfigError: rules[0] (match='blocks.*' level=3) selects no module of ...
     """
     cfg = as_config(config)
-    save_ops = _checked_save_ops(cfg)
+    _check_plannable(cfg)
     modules = [(n, m) for n, m in model.named_modules()]
     class_names = {n: (type(m).__name__, qualified_class_name(m)) for n, m in modules}
     decided = _ways(model, cfg, modules, class_names)
@@ -395,14 +391,13 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
         pinned_training_level=pinned,
         nesting=cfg.nesting,
         preserve_rng_state=cfg.preserve_rng_state,
-        save_ops=save_ops,
         device=next((p.device.type for p in model.parameters()), None),
     )
 
 
-def _checked_save_ops(cfg: CheckpointConfig) -> tuple[str, ...] | None:
-    """The config's ``selective.save_ops``, checked before anything is planned: a training
-    level that can be planned, and operator names that are torch ops."""
+def _check_plannable(cfg: CheckpointConfig) -> None:
+    """Checked before anything is planned: a training level and a preset that can be planned
+    without an input, and operator names in the rules' ``keep`` that are torch ops."""
     if cfg.training_checkpoint_level == "auto":
         raise ConfigError(
             f"training_checkpoint_level 'auto' (memory_budget {cfg.memory_budget!r}) cannot be "
@@ -418,16 +413,17 @@ def _checked_save_ops(cfg: CheckpointConfig) -> tuple[str, ...] | None:
             "it returns; or write the derived preset once with `vision-ckpt derive --out` and "
             "register it."
         )
-    save_ops = None
-    if cfg.selective is not None:
-        save_ops = cfg.selective.save_ops
-        SaveOps(save_ops).resolve()  # unknown op names fail here, before anything runs
-    return save_ops
+    for i, rule in enumerate(cfg.rules):
+        if rule.keep is not None and rule.keep.ops != "heavy":
+            try:  # unknown op names fail here, before anything runs
+                SaveOps.for_keep(rule.keep).resolve()
+            except ConfigError as exc:
+                raise ConfigError(f"rules[{i}] ({rule}): {exc}") from None
 
 
 _Ways = dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]
-"""Per module, per way of checkpointing it (strategy and options): the last rule that set it,
-and where that rule came from."""
+"""Per module, per way of checkpointing it (a region's span and keep, or lean): the last rule
+that set it, and where that rule came from."""
 
 
 def _ways(
@@ -459,7 +455,7 @@ def _ways(
             _check_segments(model, rule, origin, callable_hits)
         for name in stacks:  # NOTE [ Groups of a ModuleList ]
             _add_groups(decided, model, name, rule, origin)
-        if rule.strategy == "lean":
+        if rule.lean:
             callable_hits = _lean_hits(model, rule, origin, callable_hits, required)
         if rule.through is not None:
             if not required:  # see NOTE [ A preset's runs ]
@@ -479,7 +475,7 @@ def _add_groups(decided: _Ways, model: nn.Module, name: str, rule: LevelRule, or
     for first, group_rule in _group_runs(model, name, rule):
         ways = decided.get(first, {}).values()
         if group_rule.through is None and any(  # a group of one region already
-            r.strategy == "full" and r.through is None and 0 < r.level < rule.level for r, _ in ways
+            _plain(r) and r.through is None and 0 < r.level < rule.level for r, _ in ways
         ):
             continue
         _add_way(decided, first, group_rule, origin)
@@ -492,9 +488,9 @@ def _add_way(
     origin: str,
 ) -> None:
     """Record that ``rule`` (from ``origin``) checkpoints module ``name`` in its way."""
-    if rule.level == 0 and rule.strategy == "lean":  # takes the lean level away only
+    if rule.level == 0 and rule.lean:  # takes the lean level away only
         ways = decided.get(name, {})
-        for other in [k for k, (r, _) in ways.items() if r.strategy == "lean"]:
+        for other in [k for k, (r, _) in ways.items() if r.lean]:
             del ways[other]
         if not ways:
             decided[name] = {("none",): (rule, origin)}
@@ -505,15 +501,25 @@ def _add_way(
         ways.pop(("none",), None)
         # a lean rule replaces the module's other lean rule; a region's rule replaces the
         # regions' rules of its level (a lean level is not a region's)
-        lean = rule.strategy == "lean"
+        lean = rule.lean
         for other in [
-            k
-            for k, (r, _) in ways.items()
-            if (r.strategy == "lean") == lean and (lean or r.level == rule.level)
+            k for k, (r, _) in ways.items() if r.lean == lean and (lean or r.level == rule.level)
         ]:
             del ways[other]
-        key = (rule.strategy, rule.segments, rule.recompute_below, rule.through)
-        ways[key] = (rule, origin)
+        ways[_way(rule)] = (rule, origin)
+
+
+def _way(rule: LevelRule) -> tuple[Any, ...]:
+    """What ``rule`` makes of a module: ``("lean",)``, or ``("region", keep, offload, segments,
+    through)``."""
+    if rule.lean:
+        return ("lean",)
+    return ("region", rule.keep, rule.offload, rule.segments, rule.through)
+
+
+def _plain(rule: LevelRule) -> bool:
+    """Whether ``rule`` makes a region that keeps nothing, in device memory."""
+    return not rule.lean and rule.keep is None and not rule.offload
 
 
 # NOTE [ Groups of a ModuleList ]
@@ -534,7 +540,7 @@ def _group_runs(model: nn.Module, name: str, rule: LevelRule) -> list[tuple[str,
     """The first module of every group a ``segments`` rule makes of the ModuleList ``name``,
     with the rule that runs it through the last (NOTE [ Groups of a ModuleList ])."""
     children = list(model.get_submodule(name)._modules)
-    size = segment_size(Rung(rule.level, "full", rule.segments), len(children))
+    size = segment_size(Rung(rule.level, segments=rule.segments), len(children))
     out = []
     for start in range(0, len(children), size):
         group = children[start : start + size]
@@ -554,16 +560,15 @@ def _entry(
     rungs = tuple(
         Rung(
             rule.level,
-            "full" if rule.strategy == "offload" else rule.strategy,  # type: ignore[arg-type]
-            rule.segments,  # type: ignore[arg-type]
+            keep=rule.keep,
+            segments=rule.segments,
             through=rule.through,
-            offload=rule.strategy == "offload",
-            recompute_below=rule.recompute_below,
+            offload=rule.offload,
         )
         for rule, _ in used
-        if rule.level > 0 and rule.strategy != "lean"
+        if rule.level > 0 and not rule.lean
     )
-    lean = next((r.level for r, _ in used if r.level > 0 and r.strategy == "lean"), None)
+    lean = next((r.level for r, _ in used if r.level > 0 and r.lean), None)
     levels = [r.level for r in rungs] + ([lean] if lean is not None else [])
     return PlanEntry(
         name=name,
@@ -582,20 +587,17 @@ def _step_aside(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
     NOTE [ Selective regions step aside ] in wrapper.py)."""
     out = []
     for e in entries:
-        if any(r.strategy == "selective" for r in e.rungs):
+        if any(r.selective for r in e.rungs):
             inner = [
                 r.level
                 for o in entries
                 if _is_ancestor(e.name, o.name)
                 for r in o.rungs
-                if r.strategy == "full"
+                if not r.selective
             ]
             until = min(inner, default=None)
             if until is not None:
-                rungs = tuple(
-                    replace(r, until=Level(until)) if r.strategy == "selective" else r
-                    for r in e.rungs
-                )
+                rungs = tuple(replace(r, until=Level(until)) if r.selective else r for r in e.rungs)
                 e = replace(e, rungs=rungs)
         out.append(e)
     return tuple(out)
@@ -643,7 +645,7 @@ def _holds_several(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
         rungs = {e.name: r for e in entries if (r := e.rung_at(level)) is not None}
         count: dict[str, int] = {}
         for name, rung in rungs.items():
-            if rung.strategy != "full":
+            if rung.selective:
                 continue
             parent = _nearest(name, rungs)
             if parent is not None:
@@ -726,7 +728,9 @@ def _check_runs(model: nn.Module, decided: _Ways) -> None:
     (NOTE [ Runs take over ])."""
     for name, ways in decided.items():
         runs = {
-            k[-1]: (rule, origin) for k, (rule, origin) in ways.items() if len(k) == 4 and k[-1]
+            rule.through: (rule, origin)
+            for rule, origin in ways.values()
+            if rule.through is not None and rule.level > 0
         }
         if len(runs) > 1:
             texts = "; ".join(f"{o} ({r})" for r, o in runs.values())
@@ -737,13 +741,13 @@ def _check_runs(model: nn.Module, decided: _Ways) -> None:
         for through, (rule, origin) in runs.items():
             members = run_members(model, name, through, f"{origin} ({rule})")
             for member in members:
-                lean = [v for k, v in decided.get(member, {}).items() if k[0] == "lean"]
+                lean = [v for k, v in decided.get(member, {}).items() if k == ("lean",)]
                 if lean:
                     r, o = lean[0]
                     raise ConfigError(
                         f"{o} ({r}) makes {member!r} lean, and {origin} ({rule}) runs it with "
                         "its siblings as one region; a run calls its members' own forwards. "
-                        "Drop the lean rule for it (a level-0 rule with strategy 'lean'), or "
+                        "Drop the lean rule for it (a level-0 rule with lean: true), or "
                         "the run."
                     )
             for member in members[1:]:
@@ -787,9 +791,9 @@ def _lean_hits(
         elif required:
             raise ConfigError(
                 f"{origin} ({rule}) makes {name or '(the model)'!r} lean, but {problem}. "
-                "Strategy 'lean' is for timm's Mlp: nn.Linear fc1 and fc2 with biases, a "
+                "lean: true is for timm's Mlp: nn.Linear fc1 and fc2 with biases, a "
                 "GELU act, an Identity norm and drop1 of p=0. Select the MLP modules "
-                "themselves (such as 'blocks.*.mlp'), or use strategy 'full' or 'selective'."
+                "themselves (such as 'blocks.*.mlp'), or make them a region (drop lean)."
             )
     return kept
 
@@ -797,11 +801,11 @@ def _lean_hits(
 def _check_lean(decided: _Ways) -> None:
     """A lean module's forward calls none of its children's: none may have a rule (a lean
     member of a run: ``_check_runs``)."""
-    lean = {n: ways for n, ways in decided.items() if any(k[0] == "lean" for k in ways)}
+    lean = {n: ways for n, ways in decided.items() if ("lean",) in ways}
     for name, ways in lean.items():
         inner = [n for n in decided if _is_ancestor(name, n) and ("none",) not in decided[n]]
         if inner:
-            rule, origin = next(v for k, v in ways.items() if k[0] == "lean")
+            rule, origin = ways[("lean",)]
             r, o = next(iter(decided[inner[0]].values()))
             raise ConfigError(
                 f"{origin} ({rule}) makes {name!r} lean, and {o} ({r}) selects "
@@ -903,7 +907,7 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
         installs.append((entry, module))
     _refuse_a_second_checkpointer(model)
     remove(model)
-    shared: dict[tuple[Any, ...], SaveOps] = {}  # one per option set: it tracks ops met
+    shared: dict[KeepOps, SaveOps] = {}  # one per keep policy: it tracks the ops met
     runs = {
         entry.name: run_members(model, entry.name, entry.through, f"the plan's {entry.name!r}")
         for entry, _ in installs
@@ -968,23 +972,14 @@ def _refuse_a_second_checkpointer(model: nn.Module) -> None:
         )
 
 
-def _policy(
-    the_plan: CheckpointPlan, entry: PlanEntry, shared: dict[tuple[Any, ...], SaveOps]
-) -> Policy:
-    keep = the_plan.save_ops
-
-    def save_ops(names: tuple[str, ...], below: int | None, default: bool) -> SaveOps:
-        key = (names, below, default)
-        if key not in shared:
-            shared[key] = SaveOps(names, below, default)
-        return shared[key]
-
+def _policy(the_plan: CheckpointPlan, entry: PlanEntry, shared: dict[KeepOps, SaveOps]) -> Policy:
     rungs = []
     for r in entry.rungs:
-        if r.strategy == "selective":
-            context_fn = save_ops(keep or HEAVY_OPS, r.recompute_below, not keep)
-        else:
-            context_fn = save_ops(keep, None, False) if keep is not None else None
+        context_fn = None
+        if r.keep is not None:
+            if r.keep not in shared:
+                shared[r.keep] = SaveOps.for_keep(r.keep)
+            context_fn = shared[r.keep]
         rungs.append(replace(r, context_fn=context_fn))
     return Policy(
         tuple(rungs),
@@ -1016,7 +1011,7 @@ def apply_preset(
         level: the training level 0-5 for this model.
         preset: a family name (see ``vision_ckpt.list_presets()``) or ``"auto"`` to choose it
             from the model's class.
-        **options: other :class:`CheckpointConfig` keys (``nesting``, ``rules``, ``selective``...).
+        **options: other :class:`CheckpointConfig` keys (``nesting``, ``rules``...).
 
     Returns:
         The installed plan.

@@ -19,7 +19,7 @@ JSON schema for editors.
         segments: auto
       - match: "stages.*"        # keep conv/matmul outputs, recompute norms and activations
         level: 1
-        strategy: selective
+        keep: heavy
     nesting: auto                # auto | all | outermost
 
 Every invalid value raises :class:`vision_ckpt.ConfigError` naming the key (``rules[1].level``),
@@ -41,6 +41,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     WithJsonSchema,
     field_validator,
@@ -53,15 +54,14 @@ from .matching import compile_name_pattern, compile_type_pattern
 
 __all__ = [
     "CheckpointConfig",
+    "KeepOps",
     "LevelRule",
     "PresetFamily",
     "PresetFile",
-    "SelectiveConfig",
     "parse_memory_budget",
 ]
 
 Nesting = Literal["auto", "all", "outermost"]
-Strategy = Literal["full", "selective", "lean", "offload"]
 
 _MEMORY_UNITS = {
     "b": 1,
@@ -206,17 +206,104 @@ class _Schema(BaseModel):
             raise _config_error(cls, exc, source=str(path)) from None
 
 
+class KeepOps(_Schema):
+    """What a region keeps besides its inputs: the outputs of some operators (a rule's ``keep``).
+
+    Every other operator inside the region is recomputed in backward. ``keep: heavy`` is
+    ``KeepOps()``: the outputs of convolutions, matrix products and fused attention.
+
+    >>> KeepOps(ops=["aten.mm", "aten.convolution"], below=40).ops
+    ('aten.mm', 'aten.convolution')
+    >>> str(KeepOps()), str(KeepOps(below=40))
+    ('heavy', 'heavy<40')
+    """
+
+    ops: Literal["heavy"] | tuple[str, ...] = "heavy"
+    """The operators whose outputs are kept: ``heavy`` (convolutions, matrix products and fused
+    attention, as autograd dispatches them), or names written ``namespace.op`` as in
+    ``torch.ops`` (``aten.mm``, ``aten.convolution``), optionally with an overload
+    (``aten.mm.default``). Names are resolved against torch when the config is planned; an
+    unknown name is an error then. The output of an operator that draws random numbers is never
+    kept (it is recomputed with the same random state)."""
+
+    below: Annotated[int, Field(ge=1)] | None = None
+    """Also recompute the convolutions and matrix products among ``ops`` that cost fewer than
+    this many FLOPs per output element (a 1x1 convolution from c channels costs 2c, a 3x3
+    depthwise one 18): their outputs are large and quick to redo. ``null``: keep every one."""
+
+    @field_validator("ops")
+    @classmethod
+    def _check_ops(cls, value: str | tuple[str, ...]) -> str | tuple[str, ...]:
+        if isinstance(value, str):
+            return value
+        bad = [op for op in value if not _OP_RE.fullmatch(op)]
+        if bad:
+            raise ValueError(
+                f"operator names {bad} are not written 'namespace.op'; write them as in "
+                "torch.ops, e.g. 'aten.mm', 'aten.convolution' or 'aten.mm.default'"
+            )
+        if not value:
+            raise ValueError(
+                "an empty list keeps nothing; write keep: nothing for a region that recomputes "
+                "everything, or list the operators to keep"
+            )
+        return value
+
+    def __str__(self) -> str:
+        text = "heavy" if self.ops == "heavy" else "+".join(self.ops)
+        return text if self.below is None else f"{text}<{self.below}"
+
+
+def _keep_value(value: object) -> object:
+    if isinstance(value, str):
+        if value not in ("nothing", "heavy"):
+            raise ValueError(
+                f"keep {value!r} is not a keep policy; allowed: 'nothing' (recompute the whole "
+                "span), 'heavy' (keep convolution, matmul and attention outputs), or a mapping "
+                "{ops: [...], below: N}"
+            )
+        return KeepOps() if value == "heavy" else None
+    return value
+
+
+def _write_keep(keep: KeepOps) -> Any:
+    """A keep policy as a config file writes it: ``heavy``, or the mapping of its keys."""
+    return "heavy" if keep == KeepOps() else keep.model_dump(exclude_defaults=True)
+
+
+_KEEP_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "enum": ["nothing", "heavy"]},
+        {k: v for k, v in KeepOps.model_json_schema().items() if k != "title"},
+    ],
+    "description": "What a region keeps: nothing, heavy, or {ops: [...], below: N}.",
+}
+
+Keep = Annotated[
+    KeepOps | None,
+    BeforeValidator(_keep_value),
+    PlainSerializer(_write_keep, when_used="unless-none"),
+    WithJsonSchema(_KEEP_SCHEMA),
+]
+"""A ``keep`` field: ``nothing`` (``None``), ``heavy`` (``KeepOps()``) or a mapping of
+:class:`KeepOps` keys."""
+
+
 class LevelRule(_Schema):
-    """One rule: the modules it selects and the level they get.
+    """One rule: the modules it selects, the level they get, and the region each becomes.
 
     A rule selects modules by qualified name (``match``), by class (``match_type``), or by both
-    (then a module must satisfy both). Later rules win over earlier ones.
+    (then a module must satisfy both). Later rules win over earlier ones. From its level on, a
+    selected module is one *region*, checkpointed as a whole: its *span* is the module, or a
+    run of calls starting at it (``through``, ``segments``), and ``keep`` says what the region
+    keeps for backward besides its inputs. ``lean`` and ``offload`` are the two exceptions to
+    a plain region (a lean MLP is no region; an offloaded one keeps its inputs in host memory).
 
     >>> LevelRule(match="blocks.*", level=3)  # doctest: +NORMALIZE_WHITESPACE
-    LevelRule(match='blocks.*', match_type=None, level=<Level.MEDIUM_MODULE: 3>,
-              strategy='full', segments=None, recompute_below=None, through=None)
-    >>> str(LevelRule(match_type="Mlp", level="block"))
-    "match_type='Mlp' level=2"
+    LevelRule(match='blocks.*', match_type=None, level=<Level.MEDIUM_MODULE: 3>, keep=None,
+              segments=None, through=None, lean=False, offload=False)
+    >>> str(LevelRule(match_type="Mlp", level="block", keep="heavy"))
+    "match_type='Mlp' level=2 keep=heavy"
     """
 
     match: str | None = None
@@ -229,54 +316,53 @@ class LevelRule(_Schema):
     it contains a dot; ``*`` and ``?`` are wildcards. Subclasses do not match."""
 
     level: LevelValue
-    """The level 0-5 (or its name, such as ``stage``) at which the selected modules start to be
-    checkpointed with this rule's ``strategy``. 0 means never checkpoint them in any way, which
-    is how a later rule excludes a module an earlier rule selected (with strategy ``lean``, 0
-    takes away only the lean level). (This is the one field
-    without a default: a rule without a level says nothing.)"""
+    """The level 0-5 (or its name, such as ``stage``) from which the selected modules are this
+    rule's region. 0 means never checkpoint them in any way, which is how a later rule excludes
+    a module an earlier rule selected (with ``lean: true``, 0 takes away only the lean level).
+    A module can be the region of several rules, one per level (a region that keeps the heavy
+    outputs from 1, one that keeps nothing from 3): at a training level the highest of its
+    levels within it decides. (This is the one field without a default: a rule without a level
+    says nothing.)"""
 
-    strategy: Strategy = "full"
-    """How the module is checkpointed from ``level`` on. ``full``: nothing inside it is kept,
-    backward runs its forward again. ``selective``: the outputs of its convolutions, matrix
+    keep: Keep = None
+    """What the region keeps for backward besides its inputs. ``nothing`` (the default):
+    backward runs the whole span again. ``heavy``: the outputs of its convolutions, matrix
     products and attention are kept, and only the cheap operators (norms, activations, dropout,
-    pooling, additions) are recomputed: a smaller saving for much less time. A module can carry
-    one level per strategy (a selective one at 1 and a full one at 3, say); at a training level
-    the highest of its levels within it decides. ``lean``, for a timm ``Mlp`` (fc1, GELU, fc2)
-    only: not a region but an exact backward that keeps fc1's output and not GELU's, and holds
-    two hidden-size tensors at once instead of three, for one GELU recomputed; it combines with
-    the module's full or selective levels (checkpointed and lean, from both levels on).
-    ``offload``: as ``full``, and the region's inputs (what a full region keeps) wait for
-    backward in pinned host memory instead of on the GPU, copied back when it is recomputed
-    (torch's ``CPU_OFFLOAD`` policies, Hugging Face's ``offload=True``): the inputs leave the
-    device for two copies per step. Exact; on CPU it does nothing (the plan says so), and
-    under torch.compile the region is a plain full one."""
+    pooling, additions) are recomputed: a smaller saving for much less time. A mapping
+    ``{ops: [...], below: N}`` (see ``KeepOps``) names the operators, or recomputes the cheap
+    ones among them too."""
 
     segments: Literal["auto"] | Annotated[int, Field(ge=1)] | None = None
-    """For an ``nn.Sequential`` (a stack of layers) with strategy ``full``: checkpoint it as
-    consecutive groups of layers instead of as one region. ``auto`` makes groups of about
-    sqrt(n) of its n layers; an integer k makes groups of k. The module tree is unchanged.
-    On an ``nn.ModuleList`` whose layers the parent calls one after another (BEiT, EVA), each
-    group is a run of those calls (as ``through`` makes one), with its layers' own levels
-    still applying inside it."""
-
-    recompute_below: Annotated[int, Field(ge=1)] | None = None
-    """For strategy ``selective``: also recompute convolutions and matrix products that cost
-    fewer than this many FLOPs per output element (a 1x1 convolution from c channels costs 2c,
-    a 3x3 depthwise one 18): their outputs are large and quick to redo. ``null`` keeps the
-    output of every one of them."""
+    """Span: for an ``nn.Sequential`` (a stack of layers), consecutive groups of its layers,
+    each one region, instead of the whole stack. ``auto`` makes groups of about sqrt(n) of its
+    n layers; an integer k makes groups of k. The module tree is unchanged. On an
+    ``nn.ModuleList`` whose layers the parent calls one after another (BEiT, EVA), each group
+    is a run of those calls (as ``through`` makes one), with its layers' own levels still
+    applying inside it."""
 
     through: str | None = None
-    """For strategy ``full``: the name of a later sibling of the selected module. The module
-    and its siblings up to and including that one, which their parent calls one after another
-    on one tensor (a stem of conv, norm, activation and pool that is not one module, such as
-    ResNet's ``conv1`` ... ``maxpool``), are checkpointed as one region; further arguments
-    after that tensor, positional or keyword (``attn_mask=None``, a rotary embedding tensor),
-    are passed again when it is recomputed.
+    """Span: the name of a later sibling of the selected module. The module and its siblings up
+    to and including that one, which their parent calls one after another on one tensor (a stem
+    of conv, norm, activation and pool that is not one module, such as ResNet's ``conv1`` ...
+    ``maxpool``), are one region; further arguments after that tensor, positional or keyword
+    (``attn_mask=None``, a rotary embedding tensor), are passed again when it is recomputed.
     The run is checked at every call; where the parent does anything else, the region ends
     there, exactly. A selected module without that later sibling is an error, except in a
     preset, whose rule then leaves that module out (one model class can hold blocks of
     several layouts). A later member may have a level of its own below the rule's: from the
     rule's level on, the run takes its place."""
+
+    lean: bool = False
+    """Not a region: from ``level`` on, the selected timm ``Mlp`` (fc1, GELU, fc2) runs an exact
+    backward that keeps fc1's output and not GELU's, and holds two hidden-size tensors at once
+    instead of three, for one GELU recomputed. It combines with the module's regions from
+    other rules (checkpointed and lean, from both levels on)."""
+
+    offload: bool = False
+    """The region (keeping nothing) keeps its inputs in pinned host memory instead of on the
+    GPU, copied back when it is recomputed (torch's ``CPU_OFFLOAD`` policies, Hugging Face's
+    ``offload=True``): the inputs leave the device for two copies per step. Exact; on CPU it
+    does nothing (the plan says so), and under torch.compile the region is a plain one."""
 
     @field_validator("through")
     @classmethod
@@ -310,26 +396,39 @@ class LevelRule(_Schema):
                 "qualified-name glob such as 'blocks.*') or 'match_type' (a class name such as "
                 "'Block'), or both"
             )
-        if self.segments is not None and self.strategy != "full":
+        if self.lean:
+            extra = self._region_keys()
+            if extra:
+                raise ValueError(
+                    f"rule {self} is lean and gives {', '.join(extra)}; a lean MLP is not a "
+                    "region, so it has no span or keep: write the region as a rule of its own "
+                    "(same match, without lean), or drop lean"
+                )
+            return self
+        if self.keep is not None and (self.segments is not None or self.through is not None):
+            span = "segments" if self.segments is not None else "through"
             raise ValueError(
-                f"rule {self} has segments {self.segments!r} with strategy {self.strategy!r}; "
-                "segments split a stack of layers into fully checkpointed groups: use strategy "
-                "'full' (the default) with segments, or drop segments"
+                f"rule {self} keeps {self.keep} in a region spanned by {span}; a run of calls "
+                "or a group of layers is recomputed whole: drop keep (keep: nothing), or "
+                f"drop {span}"
             )
-        if self.recompute_below is not None and self.strategy != "selective":
+        if self.offload and (self.keep is not None or self.through or self.segments):
             raise ValueError(
-                f"rule {self} has recompute_below {self.recompute_below} with strategy "
-                f"{self.strategy!r}; it only tells a selective strategy which outputs to "
-                "recompute: add strategy: selective, or drop recompute_below"
+                f"rule {self} offloads and gives {', '.join(self._region_keys())}; an "
+                "offloaded region is one module that keeps nothing but its inputs, in host "
+                "memory: drop offload, or the other keys"
             )
-        if self.through is not None and (self.strategy != "full" or self.segments is not None):
+        if self.through is not None and self.segments is not None:
             raise ValueError(
-                f"rule {self} runs its module through {self.through!r} with "
-                f"{'segments' if self.segments is not None else f'strategy {self.strategy!r}'}; "
-                "a run of sibling modules is checkpointed as one full region: use strategy "
-                "'full' without segments, or drop through"
+                f"rule {self} gives both through and segments; a region spans one module, a "
+                "run through a later sibling, or groups of a stack's layers: keep one"
             )
         return self
+
+    def _region_keys(self) -> list[str]:
+        keys = [f"keep={self.keep}"] if self.keep is not None else []
+        keys += [f"{k}={getattr(self, k)}" for k in ("segments", "through") if getattr(self, k)]
+        return keys + (["offload"] if self.offload and self.lean else [])
 
     def __str__(self) -> str:
         parts = []
@@ -338,44 +437,17 @@ class LevelRule(_Schema):
         if self.match_type is not None:
             parts.append(f"match_type={self.match_type!r}")
         parts.append(f"level={int(self.level)}")
-        if self.strategy != "full":
-            parts.append(f"strategy={self.strategy}")
+        if self.keep is not None:
+            parts.append(f"keep={self.keep}")
         if self.segments is not None:
             parts.append(f"segments={self.segments}")
-        if self.recompute_below is not None:
-            parts.append(f"recompute_below={self.recompute_below}")
         if self.through is not None:
             parts.append(f"through={self.through}")
+        if self.lean:
+            parts.append("lean")
+        if self.offload:
+            parts.append("offload")
         return " ".join(parts)
-
-
-class SelectiveConfig(_Schema):
-    """Selective checkpointing: inside each checkpointed block, keep the outputs of some ops.
-
-    Built on ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: the outputs of the
-    listed ops are saved in forward and reused in backward; every other op is recomputed. Saving
-    the matmul/convolution outputs removes most of the recompute FLOPs for a part of the memory.
-
-    >>> SelectiveConfig(save_ops=["aten.mm", "aten.convolution"]).save_ops
-    ('aten.mm', 'aten.convolution')
-    """
-
-    save_ops: tuple[str, ...] = ()
-    """Operators whose outputs are saved, written ``namespace.op`` as in ``torch.ops``
-    (``aten.mm``, ``aten.convolution``, ``aten._scaled_dot_product_flash_attention``), optionally
-    with an overload (``aten.mm.default``). Names are resolved against torch when the config is
-    applied; an unknown name is an error then. Empty: recompute everything."""
-
-    @field_validator("save_ops")
-    @classmethod
-    def _check_ops(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        bad = [op for op in value if not _OP_RE.fullmatch(op)]
-        if bad:
-            raise ValueError(
-                f"operator names {bad} are not written 'namespace.op'; write them as in "
-                "torch.ops, e.g. 'aten.mm', 'aten.convolution' or 'aten.mm.default'"
-            )
-        return value
 
 
 class CheckpointConfig(_Schema):
@@ -427,10 +499,6 @@ class CheckpointConfig(_Schema):
     """Stash and restore the RNG state around each checkpointed module, so that dropout and
     drop-path draw the same masks when recomputed and gradients are exact. ``false`` saves a
     little time when no checkpointed module uses randomness."""
-
-    selective: SelectiveConfig | None = None
-    """Selective checkpointing: save the outputs of the listed ops inside every checkpointed
-    module instead of recomputing them. ``null``: recompute everything."""
 
     strict: bool = True
     """When a rule selects no module of the model: ``true`` raises an error, ``false`` warns."""
@@ -551,6 +619,27 @@ def _file_keys(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     return tuple(p for p in loc if isinstance(p, int) or not re.search(r"[\[\]\-(]", str(p)))
 
 
+_RENAMED: dict[str, tuple[type[BaseModel], str]] = {
+    "strategy": (
+        LevelRule,
+        "A region is a span and what it keeps: 'strategy: selective' is now 'keep: heavy', "
+        "'strategy: lean' is 'lean: true', 'strategy: offload' is 'offload: true', and "
+        "'strategy: full' is the default.",
+    ),
+    "recompute_below": (
+        LevelRule,
+        "'recompute_below: N' is now part of what the region keeps: 'keep: {ops: heavy, "
+        "below: N}'.",
+    ),
+    "selective": (
+        CheckpointConfig,
+        "What a region keeps is given per rule: 'keep: {ops: [aten.mm, ...]}' on the rules "
+        "whose regions should keep those outputs.",
+    ),
+}
+"""Keys of earlier versions, and what replaced them (for the unknown-key error)."""
+
+
 def _describe(root: type[BaseModel], err: Any) -> str:
     kind = err["type"]
     given = err.get("input")
@@ -562,6 +651,8 @@ def _describe(root: type[BaseModel], err: Any) -> str:
         allowed = list(owner.model_fields) if owner is not None else []
         close = difflib.get_close_matches(str(key), allowed, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
+        if key in _RENAMED and _RENAMED[key][0] is owner:
+            hint = f" {_RENAMED[key][1]}"
         return (
             f"{_loc_str(path + (key,))}: unknown key {key!r}; allowed keys: "
             f"{', '.join(allowed)}.{hint}"

@@ -457,7 +457,7 @@ def _emit(
         inside = [b.name for b in menus.blocks if menus.stage_of.get(b.name) == stage]
         first = _first([lv.get(inside[0], "keep") for lv in per_level], ("stage",))
         if first is not None:
-            rules.append(_rule(stages[stage], first, strategy="selective"))
+            rules.append(_rule(stages[stage], first, keep="heavy"))
     for block in menus.blocks:
         sequence = [lv.get(block.name, "keep") for lv in per_level]
         span = units[block.name]
@@ -465,7 +465,7 @@ def _emit(
         full = _first(sequence, ("full", "nested"))
         nested = _first(sequence, ("nested",))
         if selective is not None:
-            rules.append(_rule(span, selective, strategy="selective"))
+            rules.append(_rule(span, selective, keep="heavy"))
         if full is not None:
             rules.append(_rule(span, full))
         if nested is not None:
@@ -477,7 +477,7 @@ def _emit(
     if fallback:  # first, so that the derived rules win where both set a module's way
         rules = [*fallback, *rules]
     if lean_from is not None:
-        rules += [_rule(s, lean_from, strategy="lean") for s in _lean_outside_runs(regions, rules)]
+        rules += [_rule(s, lean_from, lean=True) for s in _lean_outside_runs(regions, rules)]
     # a unit missing from a level's plan (a level marked as level 0's) is kept there
     return rules
 

@@ -66,7 +66,7 @@ levels (issue 26, docs/derive.md) builds on.
 # for the duration). It is a lower bound for region plans, so it is at or below the peak of
 # every level; the issue's "parameter gradients plus the largest working set" is the looser
 # upper estimate ``param_grad_bytes + max_working_set_bytes``, both reported. Not covered: a
-# lean MLP (strategy ``lean``) replaces the MLP's backward operators by fewer, in place, and
+# lean MLP (``lean: true``) replaces the MLP's backward operators by fewer, in place, and
 # can go below the floor; scratch memory inside an operator is not counted (as by the meter).
 """
 

@@ -73,6 +73,7 @@ from torch import nn
 
 from . import _core
 from ._selective import bind_region
+from .config import KeepOps
 from .errors import ConfigError
 from .levels import NESTING_MODES, Level, Nesting, is_checkpointed, is_group, parse_level
 
@@ -276,7 +277,7 @@ class ActivationCheckpointing(nn.Module):
             if training_checkpoint_level is None
             else parse_level(training_checkpoint_level, what="training_checkpoint_level")
         )
-        rungs = (Rung(level, "full", context_fn=context_fn),) if level > 0 else ()
+        rungs = (Rung(level, context_fn=context_fn),) if level > 0 else ()
         self.policy = Policy(rungs, pinned, _check_nesting(nesting), bool(preserve_rng_state))
         self.fn_checkpoint_level = level
         self.context_fn = context_fn
@@ -327,33 +328,41 @@ class ActivationCheckpointing(nn.Module):
 
 @dataclass(frozen=True)
 class Rung:
-    """One way a region is checkpointed, from a level on (a module may have several): what
-    ``plan()`` decides (``PlanEntry.rungs``, with no ``context_fn``) and what an installed
-    forward runs (the same rung with its ``context_fn``)."""
+    """One region of a module, from a level on (a module may have several): its span, what it
+    keeps, and when it applies. What ``plan()`` decides (``PlanEntry.rungs``, with no
+    ``context_fn``) and what an installed forward runs (the same rung with its ``context_fn``).
+
+    >>> print(Rung(Level.SMALL_BLOCK), Rung(Level.STAGE, through="maxpool", until=Level(5)))
+    full 2 full through maxpool 4 only
+    """
 
     level: Level
     """The lowest training level at which this rung applies (1-5)."""
-    strategy: Literal["full", "selective"]
-    """``full``: keep nothing inside; ``selective``: ``context_fn`` keeps the heavy ops' outputs."""
+    keep: KeepOps | None = None
+    """What the region keeps besides its inputs (a rule's ``keep``): ``None``, nothing (the
+    span is recomputed whole); else the outputs of some operators, which ``context_fn`` keeps
+    when the rung is installed."""
     segments: int | Literal["auto"] | None = None
-    """For a stack of layers: checkpoint consecutive groups of this many layers (``auto``:
-    about sqrt(n)) instead of the whole stack."""
-    context_fn: Callable[[], tuple[Any, Any]] | None = None
-    """Passed to the core (selective checkpointing), or ``None``."""
-    until: Level | None = None
-    """The rung stops applying at this training level: a selective one where a full region
-    inside it starts (NOTE [ Selective regions step aside ]), a later member's of a run where
-    the run starts (NOTE [ Runs take over ] in ``apply.py``); ``None``: it applies at every
-    level from ``level`` on."""
+    """Span: for a stack of layers, consecutive groups of this many layers (``auto``: about
+    sqrt(n)) instead of the whole stack."""
     through: str | None = None
-    """The last of a run of sibling modules checkpointed with this one as one region (see
-    :class:`ChainCall`); ``None``: the module alone."""
+    """Span: the last of a run of sibling modules checkpointed with this one as one region
+    (see :class:`ChainCall`); ``None``: the module alone."""
+    context_fn: Callable[[], tuple[Any, Any]] | None = None
+    """Passed to the core (what a region that keeps operator outputs keeps), or ``None``."""
+    until: Level | None = None
+    """The rung stops applying at this training level: one that keeps operator outputs where a
+    region inside it that keeps nothing starts (NOTE [ Selective regions step aside ]), a later
+    member's of a run where the run starts (NOTE [ Runs take over ] in ``apply.py``); ``None``:
+    it applies at every level from ``level`` on."""
     offload: bool = False
-    """A full region whose CUDA inputs are kept in pinned host memory (``strategy: offload``,
-    NOTE [ Offloaded inputs ] in ``_core``); under torch.compile it is a plain full region."""
-    recompute_below: int | None = None
-    """For ``selective``: convolutions and matmuls cheaper than this (FLOPs per output) are
-    redone too; ``context_fn`` carries it when the rung is installed."""
+    """A region whose CUDA inputs are kept in pinned host memory (a rule's ``offload``,
+    NOTE [ Offloaded inputs ] in ``_core``); under torch.compile it is a plain region."""
+
+    @property
+    def selective(self) -> bool:
+        """Whether the region keeps some operators' outputs (else it keeps nothing)."""
+        return self.keep is not None
 
     @property
     def group(self) -> bool:
@@ -366,16 +375,23 @@ class Rung:
         inside it (NOTE [ Groups of a ModuleList ] in ``apply``)."""
         return self.through is not None and self.segments is not None
 
-    def __str__(self) -> str:
-        text = "segments" if self.segments is not None else self.strategy
+    @property
+    def what(self) -> str:
+        """The region in words, without its levels: ``full``, ``keep heavy<40``, ``full through
+        maxpool``, ``segments/2``, ``offload``."""
+        text = "segments" if self.segments is not None else "full"
+        if self.keep is not None:
+            text = f"keep {self.keep}"
         if self.offload:
             text = "offload"
         if self.through is not None:
             text += f" through {self.through}"
         if self.segments not in (None, "auto"):
             text += f"/{self.segments}"
-        if self.recompute_below is not None:
-            text += f"<{self.recompute_below}"
+        return text
+
+    def __str__(self) -> str:
+        text = self.what
         if self.until is not None:
             last = int(self.until) - 1
             if last == int(self.level):
@@ -450,13 +466,13 @@ def nests(nesting: str, rung: Rung, inside_group: bool) -> bool:
     ``rung`` applies is checkpointed while another region runs, given the nesting mode and
     whether the innermost running region is a group. ``plan()`` decides with it too.
 
-    >>> full = Rung(Level.SMALL_BLOCK, "full")
+    >>> full = Rung(Level.SMALL_BLOCK)
     >>> nests("all", full, False), nests("outermost", full, True), nests("auto", full, False)
     (True, True, False)
     """
     if nesting == "all" or inside_group:
         return True
-    return nesting == "auto" and rung.strategy == "selective"
+    return nesting == "auto" and rung.selective
 
 
 def _ambient_level() -> Level:
@@ -530,7 +546,7 @@ def _offload_now(rung: Rung, label: str) -> bool:
     if torch.compiler.is_compiling():
         compile_note(
             f"offload:{label}",
-            f"{label!r} has strategy 'offload', which torch.compile does not apply: under "
+            f"{label!r} is offloaded (offload: true), which torch.compile does not apply: under "
             "compile the region is a full one whose inputs stay on the device (gradients are "
             "exact). CheckpointPlan.not_compiled lists such modules. (Shown once.)",
         )
@@ -630,7 +646,7 @@ def note_run_not_compiled(label: str, key: str) -> None:
 def segment_size(rung: Rung, n: int) -> int:
     """How many of ``n`` layers one segment of ``rung`` holds.
 
-    >>> segment_size(Rung(Level.LARGE_MODULE, "full", segments="auto"), 16)
+    >>> segment_size(Rung(Level.LARGE_MODULE, segments="auto"), 16)
     4
     """
     if rung.segments == "auto":

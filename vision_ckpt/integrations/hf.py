@@ -57,7 +57,7 @@ at the layer level only (level 3, the default: each transformer layer one region
   a layer left out gets ``match: "<list>.<i>"`` at level 0, and so does every module the
   preset selects inside it (``<list>.<i>.mlp``): the whole layer keeps its activations, as
   under Hugging Face; and with ``offload`` a kept layer gets
-  ``match: "<list>.<i>"`` at level 3 with strategy ``offload`` (which replaces its level-3
+  ``match: "<list>.<i>"`` at level 3 with ``offload: true`` (which replaces its level-3
   region). Other level-3 regions of the preset (Swin's patch embedding, SegFormer's decode
   head) stay as the preset has them;
 - at levels 1-2 (parts of layers), 4-5 (groups of layers), with a config or a memory budget
@@ -168,7 +168,7 @@ def enable_checkpointing(
             2n, ... are checkpointed (1: every layer, level 3's plan). Only at level 3 (the
             default); see NOTE [ Hugging Face's every_n_layers and offload ].
         offload: as Hugging Face's ``offload=True``: the checkpointed layers keep their inputs
-            in pinned host memory until backward (strategy ``offload``), on CUDA; on CPU a
+            in pinned host memory until backward (``offload: true``), on CUDA; on CPU a
             no-op that the plan reports (and a warning, once). Only at level 3.
         **options: other :class:`~vision_ckpt.CheckpointConfig` keys with ``level`` or a budget
             (``nesting``, ``rules``, ``selective``...).
@@ -385,7 +385,7 @@ def _refuse_layer_combination(
             f"enable_checkpointing got {layer_args} and a config; {fix}. Give level=3 (or no "
             "level) without a config, or write the rules in the config yourself: "
             '{"match": "<layers>.<i>", "level": 0} (and the same for its inner regions) to '
-            "leave layer i out, strategy: offload on a layer's rule to offload it."
+            "leave layer i out, offload: true on a layer's rule to offload it."
         )
     if memory_budget is not None:
         raise ConfigError(
@@ -414,7 +414,7 @@ def _layer_regions(checkpoint_plan: CheckpointPlan, model: nn.Module) -> list[st
     out: list[str] = []
     for entry in checkpoint_plan.entries:
         rung = entry.rung_at(checkpoint_plan.training_level) if entry.checkpointed else None
-        if rung is None or rung.strategy != "full" or rung.group or rung.through is not None:
+        if rung is None or rung.selective or rung.group or rung.through is not None:
             continue
         parent, _, index = entry.name.rpartition(".")
         if not index.isdigit():
@@ -451,7 +451,7 @@ def _every_n_layers_config(
                 if (e.name == name or e.name.startswith(f"{name}.")) and e.level != Level.NONE
             ]
         elif offload:
-            rules.append(LevelRule(match=name, level=DEFAULT_LEVEL, strategy="offload"))
+            rules.append(LevelRule(match=name, level=DEFAULT_LEVEL, offload=True))
     return cfg.model_copy(update={"rules": (*cfg.rules, *rules)})
 
 
