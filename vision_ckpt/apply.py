@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -421,9 +421,37 @@ def _check_plannable(cfg: CheckpointConfig) -> None:
                 raise ConfigError(f"rules[{i}] ({rule}): {exc}") from None
 
 
-_Ways = dict[str, dict[tuple[Any, ...], tuple[LevelRule, str]]]
+@dataclass(frozen=True)
+class _Way:
+    """One way a rule makes of a module: the rule (its level, keep and flags, and the plan's
+    text), where it came from, and the span of its region: the rule's own, or one group of a
+    ModuleList's layers run from its first through its last (NOTE [ Groups of a ModuleList ]),
+    which no rule of a file can spell."""
+
+    rule: LevelRule
+    origin: str
+    through: str | None
+    segments: int | Literal["auto"] | None
+
+    @classmethod
+    def of(cls, rule: LevelRule, origin: str) -> _Way:
+        return cls(rule, origin, rule.through, rule.segments)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What the way makes of the module: ``("none",)`` (a level-0 rule), ``("lean",)``, or
+        ``("region", keep, offload, segments, through)``."""
+        rule = self.rule
+        if rule.level == 0:
+            return ("none",)
+        if rule.lean:
+            return ("lean",)
+        return ("region", rule.keep, rule.offload, self.segments, self.through)
+
+
+_Ways = dict[str, dict[tuple[Any, ...], _Way]]
 """Per module, per way of checkpointing it (a region's span and keep, or lean): the last rule
-that set it, and where that rule came from."""
+that set it."""
 
 
 def _ways(
@@ -465,37 +493,34 @@ def _ways(
             for name in callable_hits:
                 run_members(model, name, rule.through, f"{origin} ({rule})")
         for name in callable_hits:
-            _add_way(decided, name, rule, origin)
+            _add_way(decided, name, _Way.of(rule, origin))
     return decided
 
 
 def _add_groups(decided: _Ways, model: nn.Module, name: str, rule: LevelRule, origin: str) -> None:
     """Record the runs ``rule`` (``segments``) makes of the ``ModuleList`` ``name``
     (NOTE [ Groups of a ModuleList ])."""
-    for first, group_rule in _group_runs(model, name, rule):
-        ways = decided.get(first, {}).values()
-        if group_rule.through is None and any(  # a group of one region already
-            _plain(r) and r.through is None and 0 < r.level < rule.level for r, _ in ways
+    for first, way in _group_runs(model, name, rule, origin):
+        alone = way.through is None  # a group of one layer ...
+        if alone and any(  # ... that is a region at a lower level already
+            _plain(w.rule) and w.through is None and 0 < w.rule.level < rule.level
+            for w in decided.get(first, {}).values()
         ):
             continue
-        _add_way(decided, first, group_rule, origin)
+        _add_way(decided, first, way)
 
 
-def _add_way(
-    decided: _Ways,
-    name: str,
-    rule: LevelRule,
-    origin: str,
-) -> None:
-    """Record that ``rule`` (from ``origin``) checkpoints module ``name`` in its way."""
+def _add_way(decided: _Ways, name: str, way: _Way) -> None:
+    """Record that ``way`` checkpoints module ``name``."""
+    rule = way.rule
     if rule.level == 0 and rule.lean:  # takes the lean level away only
         ways = decided.get(name, {})
-        for other in [k for k, (r, _) in ways.items() if r.lean]:
+        for other in [k for k, w in ways.items() if w.rule.lean]:
             del ways[other]
         if not ways:
-            decided[name] = {("none",): (rule, origin)}
+            decided[name] = {way.key: way}
     elif rule.level == 0:
-        decided[name] = {("none",): (rule, origin)}
+        decided[name] = {way.key: way}
     else:
         ways = decided.setdefault(name, {})
         ways.pop(("none",), None)
@@ -503,18 +528,12 @@ def _add_way(
         # regions' rules of its level (a lean level is not a region's)
         lean = rule.lean
         for other in [
-            k for k, (r, _) in ways.items() if r.lean == lean and (lean or r.level == rule.level)
+            k
+            for k, w in ways.items()
+            if w.rule.lean == lean and (lean or w.rule.level == rule.level)
         ]:
             del ways[other]
-        ways[_way(rule)] = (rule, origin)
-
-
-def _way(rule: LevelRule) -> tuple[Any, ...]:
-    """What ``rule`` makes of a module: ``("lean",)``, or ``("region", keep, offload, segments,
-    through)``."""
-    if rule.lean:
-        return ("lean",)
-    return ("region", rule.keep, rule.offload, rule.segments, rule.through)
+        ways[way.key] = way
 
 
 def _plain(rule: LevelRule) -> bool:
@@ -528,47 +547,49 @@ def _plain(rule: LevelRule) -> bool:
 # arguments (a relative position bias, a rotary embedding). Nobody calls the list, so 'segments'
 # on it cannot split one forward as it splits an nn.Sequential's. Instead every group of about
 # sqrt(n) consecutive layers becomes a run from its first layer through its last (the regions
-# of consecutive calls of NOTE [ Runs of sibling calls ]), marked by keeping 'segments' beside
-# 'through'. Unlike other runs it is a group: its layers keep their own rungs inside it, so the
+# of consecutive calls of NOTE [ Runs of sibling calls ]): a span with both 'through' and
+# 'segments' (Rung.layer_group_run), which the plan builds (_Way) and no rule spells. Unlike
+# other runs it is a group: its layers keep their own rungs inside it, so the
 # run's recomputation holds the inputs of its layers, each recomputed again on its own, as an
 # nn.Sequential's segments do (NOTE [ Nesting ]). A group of one layer is a plain region of it,
 # unless that layer is a region at a lower level already (a ladder of two equal regions).
 # No module is inserted, so names and the state dict stay the model's.
 
 
-def _group_runs(model: nn.Module, name: str, rule: LevelRule) -> list[tuple[str, LevelRule]]:
-    """The first module of every group a ``segments`` rule makes of the ModuleList ``name``,
-    with the rule that runs it through the last (NOTE [ Groups of a ModuleList ])."""
+def _group_runs(
+    model: nn.Module, name: str, rule: LevelRule, origin: str
+) -> list[tuple[str, _Way]]:
+    """The first layer of every group a ``segments`` rule makes of the ModuleList ``name``,
+    with the way it starts: a run through the group's last layer, marked by the rule's
+    ``segments``, or the layer alone in a group of one (NOTE [ Groups of a ModuleList ])."""
     children = list(model.get_submodule(name)._modules)
     size = segment_size(Rung(rule.level, segments=rule.segments), len(children))
     out = []
     for start in range(0, len(children), size):
         group = children[start : start + size]
         first = f"{name}.{group[0]}" if name else group[0]
-        if len(group) == 1:  # model_copy: a rule that validation would not build from a file
-            out.append((first, rule.model_copy(update={"segments": None})))
+        if len(group) == 1:
+            out.append((first, _Way(rule, origin, None, None)))
         else:
-            out.append((first, rule.model_copy(update={"through": group[-1]})))
+            out.append((first, _Way(rule, origin, group[-1], rule.segments)))
     return out
 
 
-def _entry(
-    name: str, class_name: str, rules: dict[tuple[Any, ...], tuple[LevelRule, str]]
-) -> PlanEntry:
-    """The plan entry of one module from the rules that decided its rungs."""
-    used = sorted(rules.values(), key=lambda r: int(r[0].level))
+def _entry(name: str, class_name: str, ways: dict[tuple[Any, ...], _Way]) -> PlanEntry:
+    """The plan entry of one module from the ways that decided its rungs."""
+    used = sorted(ways.values(), key=lambda w: int(w.rule.level))
     rungs = tuple(
         Rung(
-            rule.level,
-            keep=rule.keep,
-            segments=rule.segments,
-            through=rule.through,
-            offload=rule.offload,
+            w.rule.level,
+            keep=w.rule.keep,
+            segments=w.segments,
+            through=w.through,
+            offload=w.rule.offload,
         )
-        for rule, _ in used
-        if rule.level > 0 and not rule.lean
+        for w in used
+        if w.rule.level > 0 and not w.rule.lean
     )
-    lean = next((r.level for r, _ in used if r.level > 0 and r.lean), None)
+    lean = next((w.rule.level for w in used if w.rule.level > 0 and w.rule.lean), None)
     levels = [r.level for r in rungs] + ([lean] if lean is not None else [])
     return PlanEntry(
         name=name,
@@ -576,8 +597,8 @@ def _entry(
         level=min(levels, default=Level.NONE),
         lean=lean,
         checkpointed=False,
-        rule="; ".join(str(r) for r, _ in used),
-        origin="; ".join(dict.fromkeys(o for _, o in used)),
+        rule="; ".join(str(w.rule) for w in used),
+        origin="; ".join(dict.fromkeys(w.origin for w in used)),
         rungs=rungs,
     )
 
@@ -728,9 +749,9 @@ def _check_runs(model: nn.Module, decided: _Ways) -> None:
     (NOTE [ Runs take over ])."""
     for name, ways in decided.items():
         runs = {
-            rule.through: (rule, origin)
-            for rule, origin in ways.values()
-            if rule.through is not None and rule.level > 0
+            w.through: (w.rule, w.origin)
+            for w in ways.values()
+            if w.through is not None and w.rule.level > 0
         }
         if len(runs) > 1:
             texts = "; ".join(f"{o} ({r})" for r, o in runs.values())
@@ -741,9 +762,9 @@ def _check_runs(model: nn.Module, decided: _Ways) -> None:
         for through, (rule, origin) in runs.items():
             members = run_members(model, name, through, f"{origin} ({rule})")
             for member in members:
-                lean = [v for k, v in decided.get(member, {}).items() if k == ("lean",)]
-                if lean:
-                    r, o = lean[0]
+                lean = decided.get(member, {}).get(("lean",))
+                if lean is not None:
+                    r, o = lean.rule, lean.origin
                     raise ConfigError(
                         f"{o} ({r}) makes {member!r} lean, and {origin} ({rule}) runs it with "
                         "its siblings as one region; a run calls its members' own forwards. "
@@ -755,17 +776,17 @@ def _check_runs(model: nn.Module, decided: _Ways) -> None:
                 # below the run's level a member may be a region alone (NOTE [ Runs take
                 # over ]), but neither another run nor a stack of segments
                 clash = [
-                    (r, o)
-                    for r, o in own.values()
-                    if r.level >= rule.level or r.through is not None or r.segments is not None
+                    w
+                    for w in own.values()
+                    if w.rule.level >= rule.level or w.through is not None or w.segments is not None
                 ]
                 if clash:
-                    r, o = clash[0]
+                    r, o = clash[0].rule, clash[0].origin
                     what = (
                         "starts a run of its own"
-                        if r.through is not None
+                        if clash[0].through is not None
                         else "is split into segments"
-                        if r.segments is not None and r.level < rule.level
+                        if clash[0].segments is not None and r.level < rule.level
                         else f"has a level of its own, not below the run's {int(rule.level)}"
                     )
                     raise ConfigError(
@@ -805,8 +826,9 @@ def _check_lean(decided: _Ways) -> None:
     for name, ways in lean.items():
         inner = [n for n in decided if _is_ancestor(name, n) and ("none",) not in decided[n]]
         if inner:
-            rule, origin = ways[("lean",)]
-            r, o = next(iter(decided[inner[0]].values()))
+            rule, origin = ways[("lean",)].rule, ways[("lean",)].origin
+            other = next(iter(decided[inner[0]].values()))
+            r, o = other.rule, other.origin
             raise ConfigError(
                 f"{origin} ({rule}) makes {name!r} lean, and {o} ({r}) selects "
                 f"{inner[0]!r} inside it; a lean MLP computes its layers itself and never "
