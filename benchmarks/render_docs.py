@@ -859,8 +859,9 @@ def render_presets_section() -> str:
         f"Rendered by `python benchmarks/render_docs.py --only presets` with {_versions()}. "
         "Each row lists the modules checkpointed at that training level (the default nesting, "
         "`auto`): *full* (`keep: nothing`) recomputes the module, *selective* (`keep: heavy`) "
-        "keeps its convolution, matmul and attention outputs, *through* makes a run of sibling calls one region, *groups* split a "
-        "stack of layers, *lean* is the exact leaner MLP backward (not a region), *(nested)* "
+        "keeps its convolution, matmul and attention outputs, *through* makes a run of sibling "
+        "calls one region, *groups* split a stack of layers, *lean* is the exact leaner MLP "
+        "backward (not a region), *(nested)* "
         'a region checkpointed again inside a checkpointed one. "level k\'s plan": the level '
         "changes nothing over level k.",
         "",

@@ -494,3 +494,44 @@ def test_never_slower_than_a_uniform_level_at_batch_32(name) -> None:
     low, high = min(peaks.values()), peaks[0]
     for share in (0.2, 0.5, 0.8):
         _check_never_slower(model, x, int((low + share * (high - low)) * 1.05), 32)
+
+
+class _Expand(torch.nn.Module):
+    """An inverted-residual-like block: a widening conv, BN, ReLU, then a narrowing conv, BN,
+    ReLU, called one after another (two runs of sibling calls inside one block)."""
+
+    def __init__(self, c: int = 4, wide: int = 32) -> None:
+        super().__init__()
+        self.conv1, self.bn1, self.act1 = (
+            torch.nn.Conv2d(c, wide, 1),
+            torch.nn.BatchNorm2d(wide),
+            torch.nn.ReLU(),
+        )
+        self.conv2, self.bn2, self.act2 = (
+            torch.nn.Conv2d(wide, c, 1),
+            torch.nn.BatchNorm2d(c),
+            torch.nn.ReLU(),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act2(self.bn2(self.conv2(self.act1(self.bn1(self.conv1(x))))))
+
+
+def test_a_nested_block_recomputes_its_inner_runs_as_runs() -> None:
+    """A block's inner regions keep their spans when the planner prices it nested: the run
+    conv1..act1 holds only the block's narrow input, so nested brings back far less than full
+    (priced with conv1 alone, nested held the wide conv and BN outputs as full does)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Expand() for _ in range(3)]).train()
+    config = {
+        "rules": [
+            {"match": "*", "level": 3},
+            {"match": "*.conv1", "level": 2, "through": "act1"},
+            {"match": "*.conv2", "level": 2, "through": "act2"},
+        ]
+    }
+    result = plan_for_budget(model, torch.randn(2, 4, 16, 16), "1GiB", batch_size=8, config=config)
+    for block in result.candidates:
+        nested, full = block["options"]["nested"], block["options"]["full"]
+        assert nested["kept"] == full["kept"]
+        assert nested["transient"] < 0.8 * full["transient"], block

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ._install import installed, reinstall
 from ._memory import count_saved_bytes, format_bytes, track_peak_memory
-from .apply import apply as _apply_config
+from .apply import ConfigLike, apply as _apply_config, as_config
 from .config import CheckpointConfig
 from .errors import VisionCkptError
 
@@ -389,12 +389,15 @@ def measure_time(work: Workload, x: torch.Tensor, steps: int) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def following_global(config: CheckpointConfig | None) -> CheckpointConfig:
-    """The config to apply for profiling: the user's (or the model's preset) with the training
-    level left to the global level, so each level can be selected without re-applying."""
+def following_global(config: ConfigLike | None) -> CheckpointConfig:
+    """The config to apply for profiling: the user's (a config, a dict of its keys or a file;
+    default: the model's preset) with the training level left to the global level, so each
+    level can be selected without re-applying."""
     if config is None:
         return CheckpointConfig(preset="auto")
-    return config.model_copy(update={"training_checkpoint_level": None, "memory_budget": None})
+    return as_config(config).model_copy(
+        update={"training_checkpoint_level": None, "memory_budget": None}
+    )
 
 
 @contextlib.contextmanager
