@@ -451,8 +451,9 @@ def _emit(
     menu ]): per unit a selective rung, a full rung and its inner regions, each from the first
     level that uses it; per stage a selective rung from the first level it is chosen."""
     units = {s.name: s for s in regions.units}
-    rules: list[LevelRule] = []
     stages = {s.name: s for s in regions.stages}
+    spans = {s.name: s for ps in regions.inner.values() for s in ps} | stages | units
+    rules: list[LevelRule] = []
     for stage in dict.fromkeys(menus.stage_of.values()):
         inside = [b.name for b in menus.blocks if menus.stage_of.get(b.name) == stage]
         first = _first([lv.get(inside[0], "keep") for lv in per_level], ("stage",))
@@ -468,8 +469,8 @@ def _emit(
             rules.append(_rule(span, selective, keep="heavy"))
         if full is not None:
             rules.append(_rule(span, full))
-        if nested is not None:
-            rules += [_rule(p, nested) for p in regions.inner[block.name]]
+        if nested is not None:  # the inner regions the planner priced, with their spans
+            rules += [_rule(spans[n], nested) for n in menus.inner_of[block.name]]
     if groups_from is not None:
         rules += [_rule(g, groups_from, segments="auto") for g in groups]
     if whole_from is not None:
