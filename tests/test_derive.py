@@ -228,3 +228,59 @@ def test_preset_derived_is_resolved_once_on_an_input(monkeypatch, assert_exact, 
         ConfigError, match="needs a config with preset 'derived'; got preset 'auto'"
     ):
         derive_module.resolve_derived(plain, x, {"preset": "auto"})
+
+
+class _ConvNormAct(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 1, bias=False)
+        self.norm = nn.BatchNorm2d(cout)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.norm(self.conv(x)))
+
+
+class _Head(nn.Module):
+    """EfficientViT's head in small: a widening conv unit, a pool, an MLP classifier."""
+
+    def __init__(self, width: int, wide: int = 128) -> None:
+        super().__init__()
+        self.in_conv = _ConvNormAct(width, wide)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(
+            nn.Linear(wide, 64), nn.LayerNorm(64), nn.SiLU(), nn.Linear(64, 10)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.pool(self.in_conv(x)).flatten(1))
+
+
+class _NetWithHead(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = _ConvNormAct(3, width)
+        self.body = nn.Sequential(*[_Block(width) for _ in range(3)])
+        self.head = _Head(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)))
+
+
+def test_a_unit_holding_units_is_nested_with_their_runs(assert_exact, exact_step) -> None:
+    """The head is a unit and so are the runs inside it: nested, it recomputes them as the runs
+    the planner priced (their spans kept), and every level stays exact."""
+    torch.manual_seed(0)
+    model = _NetWithHead()
+    units = [u.label for u in regions_of(model, torch.randn(2, 3, 32, 32)).units]
+    assert {"head", "head.in_conv..pool", "head.classifier.0..2"} <= set(units)
+    found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
+    head = [r for r in found.rules if r.match and r.match.startswith("head")]
+    runs = {(r.match, r.through) for r in head if r.through is not None}
+    assert runs == {("head.in_conv", "pool"), ("head.classifier.0", "2")}, head
+    x = torch.randn(8, 3, 32, 32)
+    reference = exact_step(copy.deepcopy(model), x)
+    for level in range(1, 6):
+        m = copy.deepcopy(model)
+        vision_ckpt.apply(m, found.config(level))
+        assert_exact(exact_step(m, x), reference)
