@@ -88,10 +88,12 @@ NOTES: dict[str, str] = {
     "models no preset knows, derived levels (D) beside the structural fallback's top level (F) "
     "and the library's own switch, real steps at batch 32; see [derive.md](derive.md).",
     "presets_b8": "Written by `python benchmarks/bench_presets.py --batch-sizes 8 --reps 1 "
-    "--variants L0,L1,L2,L3,L4,L5 --threads 1` after issue 25's consolidation (modules split, "
-    "one rung type, one nesting rule, no function over 80 lines): every level's peak of the six "
-    "preset families at batch 8, equal to within rounding to the same run at 5f77e52, before "
-    "it (issue 25's done-when: within 1%). Times are one step each, not a comparison.",
+    "--variants L0,L1,L2,L3,L4,L5 --threads 1` after issue 25's region model (one rung type, "
+    "one nesting rule, one keep policy, spans built by the plan): every level's peak of the six "
+    "preset families at batch 8, equal to the byte to this file's previous run (after the "
+    "first consolidation commits, 686d8b9) and within 0.02% of the same run at 5f77e52, "
+    "before the consolidation began (issue 25's done-when: within 1%). Times are one step "
+    "each, not a comparison.",
     "planner_b32": "The results file does not record its command; it is the earlier run of "
     "`bench_planner.py` with its default wall clock.",
     "planner_b32_cpu": "The results file does not record its command; its table was made by "
