@@ -628,6 +628,14 @@ class _Additions:
         self, model: nn.Module, regions: Regions, menus: Menus, per_level: Sequence[dict[str, str]]
     ) -> list[LevelRule]:
         extra = _fallback_at(model, self.fallback) if self.fallback is not None else []
+        if extra:  # a later member of a derived run is recomputed with its run, not alone
+            inside = {
+                exact_name_pattern(m)
+                for span in [*regions.units, *(p for ps in regions.inner.values() for p in ps)]
+                if span.kind == "run"
+                for m in span.members[1:]
+            }
+            extra = [r for r in extra if r.match not in inside]
         return _emit(
             regions, menus, per_level, self.lean, self.groups, self.stacks, self.whole, extra
         )
