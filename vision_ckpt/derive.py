@@ -793,7 +793,10 @@ def _from_top(
     for k in range(len(levels), 0, -1):
         if not allowed(k):
             break
-        peak = _measured_peak(work, config_from(k), k, target)
+        try:
+            peak = _measured_peak(work, config_from(k), k, target)
+        except ConfigError:  # the addition does not combine with this level's regions (a
+            break  # ModuleList group over a layer whose own region starts at the same level)
         if peak > levels[k - 1].peak * (1 - gain):
             break
         levels[k - 1].peak = peak
