@@ -432,6 +432,7 @@ def _strategy_config(
     Its rules replace the base config's and its preset (a module keeps a rung per strategy, so
     a rule could not switch off the preset's other rung); the base's run options stay."""
     stages = {(stage_of or {})[b] for b, s in strategies.items() if s == "stage"}
+    ends = _run_ends(entries)
     rules = []
     for entry in entries:
         if entry.name in stages:
@@ -455,16 +456,21 @@ def _strategy_config(
             )
         )
         if strategy == "nested":
-            rules += _inner_rules(entries, inner_of[entry.name])
+            rules += _inner_rules(ends, inner_of[entry.name])
     return _only(base, rules)
 
 
-def _inner_rules(entries: Sequence[Any], names: Sequence[str]) -> list[LevelRule]:
+def _run_ends(entries: Sequence[Any]) -> dict[str, str]:
+    """Entry name -> the last sibling of the run it starts (``_block_run``), for the runs."""
+    return {e.name: end for e in entries if (end := _block_run(e)) is not None}
+
+
+def _inner_rules(ends: dict[str, str], names: Sequence[str]) -> list[LevelRule]:
     """Rules that make the inner regions ``names`` of blocks regions on their own, each with
-    its span: a run of siblings stays a run (``conv_pw`` through ``bn1``), else the module."""
-    through = {e.name: end for e in entries if (end := _block_run(e)) is not None}
+    its span (``ends``: ``_run_ends``): a run of siblings stays a run (``conv_pw`` through
+    ``bn1``), else the module."""
     return [
-        LevelRule(match=exact_name_pattern(n), level=_INNER_LEVEL, through=through.get(n))
+        LevelRule(match=exact_name_pattern(n), level=_INNER_LEVEL, through=ends.get(n))
         for n in names
     ]
 
@@ -555,19 +561,17 @@ def _setup(model: torch.nn.Module, base_config: CheckpointConfig, menu: tuple[st
         if (end := _block_run(e)) is not None
     }
     entries = list(full_plan.entries)
-    inner_of = {  # the regions inside each block (a lean MLP alone is none), a run's later
-        # members left to the run (its span: NOTE [ Runs take over ] in apply)
-        n: [e.name for e in entries if e.name.startswith(n + ".") and e.rungs]
+    ends = _run_ends(entries)
+    # a run's later members are left to the run (its span: NOTE [ Runs take over ] in apply)
+    in_runs = {m for e, end in ends.items() for m in run_members(model, e, end, "the planner")[1:]}
+    inner_of = {  # the regions inside each block (a lean MLP alone is none)
+        n: [
+            e.name
+            for e in entries
+            if e.name.startswith(n + ".") and e.rungs and e.name not in in_runs
+        ]
         for n in names
     }
-    for n, inner in inner_of.items():
-        members = {
-            m
-            for e in entries
-            if e.name in inner and (end := _block_run(e)) is not None
-            for m in run_members(model, e.name, end, "the planner")[1:]
-        }
-        inner_of[n] = [i for i in inner if i not in members]
     inner_all = [i for n in names for i in inner_of[n]]
     groups = _stage_groups(full_plan, names) if "stage" in menu else []
     return _Setup(
@@ -580,7 +584,7 @@ def _setup(model: torch.nn.Module, base_config: CheckpointConfig, menu: tuple[st
             s: _strategy_config(base_config, entries, dict.fromkeys(names, s), inner_of)
             for s in ("selective", "full")
         },
-        inner_only=_only(base_config, _inner_rules(entries, inner_all)),
+        inner_only=_only(base_config, _inner_rules(ends, inner_all)),
         groups=groups,
         stages=[g for g, _, _ in groups],
         every_stage=_strategy_config(
