@@ -137,6 +137,12 @@ class Regions:
     groups: list[Span] = field(default_factory=list)
     """Stacks of three or more units that can run as groups of about sqrt(n) (``segments``)."""
 
+    def named(self) -> dict[str, Span]:
+        """Name -> span, of every unit, inner region and stage (a unit wins over an inner
+        region or a stage of the same name)."""
+        inner = {s.name: s for ps in self.inner.values() for s in ps}
+        return inner | {s.name: s for s in self.stages} | {s.name: s for s in self.units}
+
     def base_rules(self) -> list[LevelRule]:
         """The rules that make the planner's candidates: units at level 3, inner regions at
         level 2, stages at level 4 (NOTE [ Pricing the strategies of a block ] in _planner)."""
@@ -452,9 +458,8 @@ def _emit(
     """Rules that run ``per_level[k - 1]`` at training level k (NOTE [ Five levels from one
     menu ]): per unit a selective rung, a full rung and its inner regions, each from the first
     level that uses it; per stage a selective rung from the first level it is chosen."""
-    units = {s.name: s for s in regions.units}
+    spans = regions.named()
     stages = {s.name: s for s in regions.stages}
-    spans = {s.name: s for ps in regions.inner.values() for s in ps} | stages | units
     rules: list[LevelRule] = []
     for stage in dict.fromkeys(menus.stage_of.values()):
         inside = [b.name for b in menus.blocks if menus.stage_of.get(b.name) == stage]
@@ -463,7 +468,7 @@ def _emit(
             rules.append(_rule(stages[stage], first, keep="heavy"))
     for block in menus.blocks:
         sequence = [lv.get(block.name, "keep") for lv in per_level]
-        span = units[block.name]
+        span = spans[block.name]
         selective = _first(sequence, ("selective",))
         full = _first(sequence, ("full", "nested"))
         nested = _first(sequence, ("nested",))
@@ -633,7 +638,7 @@ class _Additions:
         if extra:  # a later member of a derived run is recomputed with its run, not alone
             inside = {
                 exact_name_pattern(m)
-                for span in [*regions.units, *(p for ps in regions.inner.values() for p in ps)]
+                for span in regions.named().values()
                 if span.kind == "run"
                 for m in span.members[1:]
             }
@@ -685,13 +690,8 @@ def _try_additions(
         found.lean = _from_top(work, levels, target, config_with("lean"))
     if regions.stages:
         found.whole = _from_top(work, levels, target, config_with("whole"), only_top, _STEP)
-    if _fallback_at(work.model, len(levels)):
-        try:
-            found.fallback = _from_top(
-                work, levels, target, config_with("fallback"), only_top, _STEP
-            )
-        except ConfigError:  # the fallback's rules and the derived ones do not combine
-            found.fallback = None
+    if _fallback_at(work.model, len(levels)):  # _from_top drops it where it does not combine
+        found.fallback = _from_top(work, levels, target, config_with("fallback"), only_top, _STEP)
     return found
 
 
