@@ -397,7 +397,7 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
 
 def _check_plannable(cfg: CheckpointConfig) -> None:
     """Checked before anything is planned: a training level and a preset that can be planned
-    without an input, and operator names in the rules' ``keep`` that are torch ops."""
+    without an input."""
     if cfg.training_checkpoint_level == "auto":
         raise ConfigError(
             f"training_checkpoint_level 'auto' (memory_budget {cfg.memory_budget!r}) cannot be "
@@ -413,12 +413,6 @@ def _check_plannable(cfg: CheckpointConfig) -> None:
             "it returns; or write the derived preset once with `vision-ckpt derive --out` and "
             "register it."
         )
-    for i, rule in enumerate(cfg.rules):
-        if rule.keep is not None and rule.keep.ops != "heavy":
-            try:  # unknown op names fail here, before anything runs
-                SaveOps.for_keep(rule.keep).resolve()
-            except ConfigError as exc:
-                raise ConfigError(f"rules[{i}] ({rule}): {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -469,6 +463,11 @@ def _ways(
 
     decided: _Ways = {}
     for rule, origin, required in ordered:
+        if rule.keep is not None and rule.keep.ops != "heavy":
+            try:  # unknown op names fail here, a preset's too, before anything runs
+                SaveOps.for_keep(rule.keep).resolve()
+            except ConfigError as exc:
+                raise ConfigError(f"{origin} ({rule}): {exc}") from None
         matcher = ModuleMatcher(rule.match, rule.match_type)
         hits = [n for n, m in modules if matcher.matches(n, *class_names[n])]
         callable_hits = [n for n in hits if _has_forward(model.get_submodule(n))]
