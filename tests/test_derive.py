@@ -92,14 +92,19 @@ def test_resnet_bottleneck_pieces_hold_one_conv_each() -> None:
     ]
 
 
-def test_every_derived_level_is_exact(derived, assert_exact, exact_step) -> None:
-    model, found = derived
+def _every_level_is_exact(model: nn.Module, found, assert_exact, exact_step) -> None:
+    """Each derived level's step equals the plain model's, outputs, gradients and buffers."""
     x = torch.randn(8, 3, 32, 32)
     reference = exact_step(copy.deepcopy(model), x)
     for level in range(1, 6):
         m = copy.deepcopy(model)
         vision_ckpt.apply(m, found.config(level))
         assert_exact(exact_step(m, x), reference)
+
+
+def test_every_derived_level_is_exact(derived, assert_exact, exact_step) -> None:
+    model, found = derived
+    _every_level_is_exact(model, found, assert_exact, exact_step)
 
 
 def test_levels_grow_and_lower_the_peak(derived) -> None:
@@ -278,9 +283,4 @@ def test_a_unit_holding_units_is_nested_with_their_runs(assert_exact, exact_step
     head = [r for r in found.rules if r.match and r.match.startswith("head")]
     runs = {(r.match, r.through) for r in head if r.through is not None}
     assert runs == {("head.in_conv", "pool"), ("head.classifier.0", "2")}, head
-    x = torch.randn(8, 3, 32, 32)
-    reference = exact_step(copy.deepcopy(model), x)
-    for level in range(1, 6):
-        m = copy.deepcopy(model)
-        vision_ckpt.apply(m, found.config(level))
-        assert_exact(exact_step(m, x), reference)
+    _every_level_is_exact(model, found, assert_exact, exact_step)
