@@ -440,6 +440,16 @@ def test_unknown_save_op_is_a_config_error():
         )
 
 
+def test_unknown_save_op_in_a_preset_is_a_config_error_at_plan(scratch_preset):
+    bad = scratch_preset([{"match": "blocks", "level": 4, "keep": {"ops": ["aten.nope"]}}])
+    with pytest.raises(
+        ConfigError,
+        match=r"preset scratch #0 \(match='blocks' level=4 keep=aten\.nope\): keep: unknown "
+        r"operators \['aten\.nope'\]",
+    ):
+        plan(make("vit"), {"preset": bad})
+
+
 # --- errors -------------------------------------------------------------------------------
 
 
