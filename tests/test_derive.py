@@ -127,6 +127,15 @@ def test_levels_grow_and_lower_the_peak(derived) -> None:
             assert lv.peak == below_peak
 
 
+def test_a_derivation_is_the_same_on_every_run(derived) -> None:
+    # bytes are counted and seconds modelled (NOTE [ A modelled price ]), so a second derivation
+    # chooses the same levels with the same figures; timed prices did not (issue 26)
+    model, found = derived
+    again = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
+    assert again.to_yaml() == found.to_yaml()
+    assert [lv.predicted_time for lv in again.levels] == [lv.predicted_time for lv in found.levels]
+
+
 def test_the_floor_is_below_every_level(derived) -> None:
     _, found = derived
     assert found.floor is not None and 0 < found.floor <= min(lv.peak for lv in found.levels)

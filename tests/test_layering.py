@@ -34,7 +34,8 @@ LAYERS: list[set[str]] = [
     {"_install"},  # the install layer of issue 9: what apply puts on a model and takes off
     {"apply"},  # -> wrapper, presets, config, matching
     {"_measure"},  # one training step -> apply, _memory
-    {"_extrapolate", "_spans"},  # a larger batch's peak; a model's candidate spans -> _measure
+    {"_extrapolate", "_spans", "_price"},  # a larger batch's peak; a model's candidate spans;
+    # the modelled price of operators -> _measure, _selective
     {"_search"},  # uniform levels -> _extrapolate, _measure, wrapper
     {"_planner"},  # per-block plans -> _search, _extrapolate, _measure, apply, _memory
     {"profile", "fit", "peak"},  # the public faces of the four above; fit -> models, _planner;

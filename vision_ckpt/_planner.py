@@ -36,6 +36,7 @@ from ._measure import (
 )
 from ._memory import count_saved_bytes, format_bytes
 from ._optimise import Block, Choice, Option, Span, choose, predict
+from ._price import modelled_step_seconds, op_seconds
 from ._search import check_margin
 from ._selective import HEAVY_OPS, SaveOps
 from .apply import plan as _plan, run_members
@@ -353,28 +354,38 @@ class _Regions:
 
 class _OpTimes(TorchDispatchMode):
     """Seconds spent in each candidate block's operators: all of them, those a selective
-    strategy recomputes, and those inside its inner regions."""
+    strategy recomputes, and those inside its inner regions; timed, or with ``modelled`` the
+    modelled price of each operator (NOTE [ A modelled price ] in ``_price``)."""
 
-    def __init__(self, regions: _Regions, keeps: SaveOps, device: torch.device) -> None:
+    def __init__(
+        self, regions: _Regions, keeps: SaveOps, device: torch.device, modelled: bool = False
+    ) -> None:
         super().__init__()
         self.regions = regions
         self.keeps = keeps
-        self.cuda = device.type == "cuda"
+        self.device_type = device.type
+        self.modelled = modelled
         self.total: dict[str, float] = defaultdict(float)
         self.recomputed: dict[str, float] = defaultdict(float)
         self.inner: dict[str, float] = defaultdict(float)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
         block = self.regions.innermost()
         if block is None:
-            return func(*args, **(kwargs or {}))
-        if self.cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        if self.cuda:
-            torch.cuda.synchronize()
-        spent = time.perf_counter() - start
+            return func(*args, **kwargs)
+        if self.modelled:
+            out = func(*args, **kwargs)
+            spent = op_seconds(func, args, kwargs, out, self.device_type)
+        else:
+            cuda = self.device_type == "cuda"
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = func(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+            spent = time.perf_counter() - start
         self.total[block] += spent
         if not self.keeps.keeps(func, args):
             self.recomputed[block] += spent
@@ -410,10 +421,11 @@ def _timed_forward(
     blocks: Sequence[str],
     inner: Sequence[str],
     runs: dict[str, list[str]],
+    modelled: bool,
 ) -> _OpTimes:
     keeps = SaveOps(HEAVY_OPS, default=True)
     with _regions(work.model, blocks, inner, runs) as regions:
-        with _OpTimes(regions, keeps, work.device) as times:
+        with _OpTimes(regions, keeps, work.device, modelled) as times:
             out = work.model(x)
         del out
     return times
@@ -602,10 +614,10 @@ _Points = dict[str, dict[str, list[tuple[int, float]]]]
 
 
 def _measure_points(
-    work: Workload, target: int, setup: _Setup, menu: tuple[str, ...]
+    work: Workload, target: int, setup: _Setup, menu: tuple[str, ...], modelled: bool
 ) -> tuple[_Points, _Points, list[tuple[int, float]]]:
     """Per strategy and block, (batch, bytes) and (batch, seconds) points at the small batches,
-    and the plain step's (batch, seconds)."""
+    and the plain step's (batch, seconds); seconds timed, or modelled."""
     model, names, runs, stages = work.model, setup.names, setup.runs, setup.stages
     kept: _Points = defaultdict(lambda: defaultdict(list))
     spent: _Points = defaultdict(lambda: defaultdict(list))
@@ -616,8 +628,10 @@ def _measure_points(
             # a stage's own figures (what runs in it outside its blocks) go to the stage
             for n, v in _saved_by_block(work, x, [*names, *stages], runs).items():
                 kept["keep"][n].append((b, v))
-            times = _timed_forward(work, x, [*names, *stages], setup.inner_all, runs)
-            step_time.append((b, measure_step_time(work, x)))  # warmed by the forwards above
+            times = _timed_forward(work, x, [*names, *stages], setup.inner_all, runs, modelled)
+            # timed: warmed by the forwards above
+            step = modelled_step_seconds if modelled else measure_step_time
+            step_time.append((b, step(work, x)))
         if stages:
             with applied(model, setup.every_stage):
                 for g, v in _saved_by_block(work, x, stages, runs).items():
@@ -717,11 +731,14 @@ def measure_menus(
     base_config: CheckpointConfig,
     menu: tuple[str, ...],
     limit: int | None,
+    modelled: bool = False,
 ) -> Menus:
     """Price every candidate block's menu at ``target`` (NOTE [ Pricing the strategies of a
-    block ]). The model must be restored by the caller."""
+    block ]), in timed seconds or, with ``modelled``, in the modelled seconds of NOTE [ A
+    modelled price ] (``_price``), which are the same on every run. The model must be restored
+    by the caller."""
     setup = _setup(work.model, base_config, menu)
-    kept, spent, step_time = _measure_points(work, target, setup, menu)
+    kept, spent, step_time = _measure_points(work, target, setup, menu, modelled)
     blocks, table = _block_menus(setup, kept, spent, menu, target)
     spans, stage_table = _stage_spans(setup, kept, spent, blocks, target)
     with training_level(0):

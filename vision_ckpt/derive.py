@@ -222,8 +222,11 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 #
 # The planner's menus (NOTE [ Pricing the strategies of a block ] in _planner) are measured once
 # at the target batch: per unit, the bytes and seconds of keep / selective / full / nested, and
-# per stage of selective as one region. Its program (NOTE [ One strategy per block ] in
-# _optimise) gives, for any memory goal, the fastest mix predicted to fit.
+# per stage of selective as one region. The seconds are modelled from FLOPs and bytes (NOTE [ A
+# modelled price ] in _price), not timed: bytes are counted and seconds modelled, so a model
+# derives the same preset on every run, however busy the machine. Its program (NOTE [ One
+# strategy per block ] in _optimise) gives, for any memory goal, the fastest mix predicted to
+# fit.
 #
 # Level 4 is the fastest mix within _TOP_SLACK of the least memory the menus reach (Ptop): the
 # last few percent cost a second recomputation everywhere. Levels 1-3 are the fastest mixes
@@ -305,7 +308,8 @@ class DerivedLevel:
     predicted_peak: int = 0
     """The program's peak at the target batch (bytes)."""
     predicted_time: float = 0.0
-    """The program's seconds per step at the target batch (the menus' prices)."""
+    """The program's modelled seconds per step at the target batch (the menus' prices, NOTE [ A
+    modelled price ] in ``_price``)."""
     peak: int = 0
     """The step peak at the target batch, extrapolated from measured small batches."""
     same_as: int | None = None
@@ -334,7 +338,7 @@ class DerivedPreset:
     peak0: int
     """Level 0's step peak at the batch (extrapolated from the small batches)."""
     base_time: float
-    """Seconds per step with no checkpointing at the batch (measured, extrapolated)."""
+    """Modelled seconds per step with no checkpointing at the batch (extrapolated)."""
     floor: int | None = None
     """The physical floor at the batch (``vision_ckpt.peak``), extrapolated from the small
     batches; ``None`` if not measured."""
@@ -384,7 +388,7 @@ class DerivedPreset:
                     f"= level {lv.same_as}"
                     if lv.same_as is not None
                     else f"peak {format_bytes(lv.peak)}, predicted "
-                    f"{lv.predicted_time / self.base_time:.2f}x time"
+                    f"{lv.predicted_time / self.base_time:.2f}x time (modelled)"
                 )
                 + "\n"
                 for lv in self.levels
@@ -431,7 +435,7 @@ class DerivedPreset:
         for row in self.table():
             text = f"  level {row['level']}: peak {format_bytes(row['peak']):>11}"
             if row.get("time") is not None:
-                text += f", {row['time']:.2f}x time (predicted)"
+                text += f", {row['time']:.2f}x time (modelled)"
             if "x_floor" in row:
                 text += f", {row['x_floor']:.2f}x floor"
             if row.get("bundled") is not None:
@@ -593,8 +597,9 @@ def derive_preset(
                 "trace has no repeated blocks, runs or submodules. Write rules for it instead."
             )
         base = CheckpointConfig(preset=None, rules=regions.base_rules())
+        # modelled prices: the same derivation on every run (NOTE [ A modelled price ])
         menus = measure_menus(
-            work, target, base, ("keep", "selective", "full", "nested", "stage"), None
+            work, target, base, ("keep", "selective", "full", "nested", "stage"), None, True
         )
         levels, rules = _levels(work, regions, menus, target)
         floor_bytes = _floor_at(model, work, target, loss_fn) if floor else None

@@ -1,0 +1,131 @@
+"""A modelled price of operators: seconds from FLOPs and bytes moved, the same on every run.
+
+Timing each operator of a forward gives the device's own price, but on a busy machine two
+timings of one model differ by more than the choices they decide: two derivations of one model
+chose different levels. :func:`op_seconds` prices an operator from its argument and result
+shapes alone (NOTE [ A modelled price ]); :class:`ModelledClock` adds the price of every
+operator run under it, and :func:`modelled_step_seconds` prices a whole training step, its
+recomputation included.
+
+>>> a, b = torch.empty(64, 256), torch.empty(256, 256)
+>>> mm = op_seconds(torch.ops.aten.mm.default, (a, b), {}, torch.empty(64, 256), "cpu")
+>>> relu = op_seconds(torch.ops.aten.relu.default, (a,), {}, torch.empty(64, 256), "cpu")
+>>> mm > relu > 0
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ._measure import Workload, run_step
+from ._selective import flops_per_output
+
+__all__ = ["ModelledClock", "modelled_step_seconds", "op_flops", "op_seconds"]
+
+# NOTE [ A modelled price ]
+#
+# An operator's modelled seconds are max(flops / F, bytes / B): the roofline of a device that
+# does F multiply-adds' worth of FLOPs a second and moves B bytes a second. flops counts
+# convolutions, matrix products and fused attention, forward and backward (op_flops); bytes
+# are every tensor the operator reads and writes (its tensor arguments and results), and a
+# view moves none. So a norm or an activation costs by the bytes it streams and a convolution
+# by its FLOPs, which is what decides on both CPUs and GPUs which recomputation is cheap.
+#
+# Only the ratio F / B changes which plan is fastest; the scale only makes the figures
+# readable as seconds. The CPU figures were measured on this project's 2-core machine, one
+# thread, over the operators of a training step of ResNet-50, ViT-S/16 and ConvNeXt-T at batch
+# 8 (benchmarks/price_calibration.py): 97-271 GFLOP/s for the heavy operators, 5.0-7.5 GB/s
+# for the rest. The CUDA figures are an H100's data-sheet order for FP32/TF32 work and HBM
+# (not measured here); their ratio is within a factor of two of the CPU's.
+
+_RATES: dict[str, tuple[float, float]] = {
+    "cpu": (1.0e11, 7.0e9),
+    "cuda": (5.0e13, 2.5e12),
+}
+"""Device type -> (FLOPs per second, bytes per second) of the modelled price."""
+
+# backward of fused attention: the scores are recomputed and four products run (dQ, dK, dV
+# and the probabilities' gradient) against the forward's two
+_ATTENTION_BACKWARD = 2.5
+
+
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """FLOPs of softmax(q kᵀ) v: two batched products, (L x E)(E x S) and (L x S)(S x Ev)."""
+    batch = math.prod(q.shape[:-2])
+    length, source = q.shape[-2], k.shape[-2]
+    return 2 * batch * length * source * (q.shape[-1] + v.shape[-1])
+
+
+def op_flops(func: Any, args: Sequence[Any], out: Any) -> int:
+    """FLOPs of one call of ``func``: convolutions and matrix products (forward and backward)
+    and fused attention; 0 for every other operator.
+
+    >>> a, b, out = torch.empty(4, 96), torch.empty(96, 8), torch.empty(4, 8)
+    >>> op_flops(torch.ops.aten.mm.default, (a, b), out)
+    6144
+    """
+    packet = getattr(func, "overloadpacket", func)
+    name = getattr(packet, "__name__", "")
+    aten = torch.ops.aten
+    if packet is aten.convolution_backward:
+        # (grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+        # output_padding, groups, output_mask): one forward's FLOPs per gradient computed
+        forward_args = (args[1], args[2], None, *args[4:10])
+        per = flops_per_output(aten.convolution.default, forward_args) or 0
+        computed = sum(bool(m) for m in args[10][:2])
+        return per * args[0].numel() * computed
+    if "scaled_dot_product" in name:
+        q, k, v = args[1:4] if name.endswith("_backward") else args[:3]
+        flops = _attention_flops(q, k, v)
+        return int(flops * _ATTENTION_BACKWARD) if name.endswith("_backward") else flops
+    per = flops_per_output(func, args)
+    if per is None:
+        return 0
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    return per * first.numel() if isinstance(first, torch.Tensor) else 0
+
+
+def _bytes(tensors: Sequence[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def op_seconds(
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, device_type: str
+) -> float:
+    """The modelled seconds of one call of ``func`` on ``device_type`` (NOTE [ A modelled
+    price ]); a view costs nothing. A device type without figures is priced as a GPU."""
+    if getattr(func, "is_view", False):
+        return 0.0
+    flops_rate, bytes_rate = _RATES.get(device_type, _RATES["cuda"])
+    moved = _bytes(tree_leaves((args, kwargs))) + _bytes(tree_leaves(out))
+    return max(op_flops(func, args, out) / flops_rate, moved / bytes_rate)
+
+
+class ModelledClock(TorchDispatchMode):
+    """Adds up the modelled seconds (:func:`op_seconds`) of every operator run under it."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.seconds = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.seconds += op_seconds(func, args, kwargs, out, self.device_type)
+        return out
+
+
+def modelled_step_seconds(work: Workload, x: torch.Tensor) -> float:
+    """The modelled seconds of one training step on ``x``: forward, backward and whatever the
+    applied checkpointing recomputes (NOTE [ A modelled price ])."""
+    with ModelledClock(work.device.type) as clock:
+        run_step(work, x)
+    return clock.seconds
