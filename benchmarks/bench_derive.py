@@ -19,7 +19,9 @@ Peak: live tensor storage above what was live before the step (``track_peak_memo
 deterministic). Time: process CPU seconds of a step, the median over interleaved rounds of the
 ratio to L0 in the same round (``--reps``); and, deterministic, the matmul and convolution FLOPs
 of a step (recomputation included) relative to L0's, counted at batch 2 (FLOPs are linear in
-the batch). BatchNorm statistics after the first step are
+the batch), and the modelled step time relative to L0's (``modelled_ratio``: every operator's
+FLOPs and bytes moved at the batch, NOTE [ A modelled price ] in ``vision_ckpt._price``, the
+price ``derive_preset`` chooses by). BatchNorm statistics after the first step are
 compared with L0's (``bn_exact``).
 
     python benchmarks/bench_derive.py --threads 2 --reps 2 --out benchmarks/results/derive_b32
@@ -42,8 +44,10 @@ from typing import Any
 import torch
 
 import vision_ckpt
+from vision_ckpt._measure import Workload
 from vision_ckpt._memory import track_peak_memory
 from vision_ckpt._planner import level_signature
+from vision_ckpt._price import modelled_step_seconds
 from vision_ckpt.derive import derive_preset
 from vision_ckpt.models import (
     build_model,
@@ -165,6 +169,7 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
     rows: dict[str, dict[str, Any]] = {}
     reference = None
     flops0 = 0
+    modelled0 = 0.0
     for label, m, source in runs:
         torch.manual_seed(1)
         _step(m, x)
@@ -174,6 +179,9 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
         peak = _peak(m, x)
         flops = _flops(m, x[:2])
         flops0 = flops0 or flops
+        torch.manual_seed(1)
+        modelled = modelled_step_seconds(Workload(m, x, output_loss, None), x)
+        modelled0 = modelled0 or modelled
         rows[label] = {
             "model": name,
             "batch": batch,
@@ -184,6 +192,7 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
             "bn_exact": exact,
             "time_ratio": None,
             "flops_ratio": round(flops / flops0, 3),
+            "modelled_ratio": round(modelled / modelled0, 3),
             "x_floor": round(peak / found.floor, 2) if found.floor else None,
             "derive_s": round(derive_s, 1) if label == "L0" else None,
         }
@@ -216,6 +225,8 @@ def _cell(row: dict[str, Any] | None, versus: dict[str, Any] | None = None) -> s
     if row is None:
         return "-"
     flops = f", FLOPs {row['flops_ratio']:.2f}x" if row.get("flops_ratio") else ""
+    if row.get("modelled_ratio"):
+        flops += f", modelled {row['modelled_ratio']:.2f}x"
     text = f"{row['peak_mb']:.0f} ({row['time_ratio']:.2f}x time{flops})"
     if versus is not None:
         text += f", {row['peak_mb'] / versus['peak_mb']:.2f}x"
