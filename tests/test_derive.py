@@ -136,6 +136,25 @@ def test_a_derivation_is_the_same_on_every_run(derived) -> None:
     assert [lv.predicted_time for lv in again.levels] == [lv.predicted_time for lv in found.levels]
 
 
+def test_a_derivation_measures_its_plans_at_the_two_small_batches(monkeypatch) -> None:
+    # each plan's peak comes from batches target/8 and target/4; only level 0's (the menus')
+    # also runs target/2, which costs as much as the other two together
+    import vision_ckpt._extrapolate as extrapolate
+
+    batches: list[int] = []
+    measure = extrapolate.measure_memory
+
+    def recording(work, x, timeline=None):  # type: ignore[no-untyped-def]
+        batches.append(int(x.shape[0]))
+        return measure(work, x, timeline)
+
+    monkeypatch.setattr(extrapolate, "measure_memory", recording)
+    torch.manual_seed(0)
+    derive_preset(_Net(), torch.randn(2, 3, 32, 32), batch_size=32, floor=False)
+    assert set(batches) == {4, 8, 16}
+    assert batches.count(16) == 1 and batches.count(8) >= 6
+
+
 def test_the_floor_is_below_every_level(derived) -> None:
     _, found = derived
     assert found.floor is not None and 0 < found.floor <= min(lv.peak for lv in found.levels)

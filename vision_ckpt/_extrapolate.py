@@ -53,10 +53,14 @@ def small_batches(target: int) -> tuple[int, int]:
 
 
 def extrapolated_peak(
-    measure: Callable[[int, list[int]], int], target: int, limit: int | None = None
+    measure: Callable[[int, list[int]], int],
+    target: int,
+    limit: int | None = None,
+    halfway: bool = True,
 ) -> tuple[int, list[tuple[int, int]]]:
-    """Step peak at ``target`` from small batches: ``target/8`` and ``target/4``, then
-    ``target/2`` only if the first two predict that it stays under ``limit``. See NOTE
+    """Step peak at ``target`` from small batches: ``target/8`` and ``target/4``, then, with
+    ``halfway``, ``target/2`` if the first two predict that it stays under ``limit`` (a step as
+    costly as the first two together, for a prediction from points nearer the target). See NOTE
     [ Predicting the peak of a larger batch ].
 
     ``measure(batch, timeline)`` runs one step at that batch, appends the live bytes after each
@@ -76,7 +80,7 @@ def extrapolated_peak(
         points.append((batch, measure(batch, timeline)))
         lines.append((batch, timeline))
     b3 = target // 2
-    if b3 > points[-1][0] and (
+    if halfway and b3 > points[-1][0] and (
         limit is None or _predict_from_timelines(lines, points, b3) <= limit
     ):
         timeline = []

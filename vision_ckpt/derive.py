@@ -508,8 +508,10 @@ def _lean_outside_runs(regions: Regions, rules: Sequence[LevelRule]) -> list[Spa
 
 
 def _measured_peak(work: Workload, config: CheckpointConfig, level: int, target: int) -> int:
+    """The step peak at ``target`` of ``config`` at ``level``, from the two small batches only
+    (a derivation measures a dozen plans: the halfway batch would double its time)."""
     with applied(work.model, config), training_level(level):
-        return extrapolated_peak(peak_measurer(work), target, None)[0]
+        return extrapolated_peak(peak_measurer(work), target, None, halfway=False)[0]
 
 
 def _floor_at(model: nn.Module, work: Workload, target: int, loss_fn: LossFn | None) -> int:
