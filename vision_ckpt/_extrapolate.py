@@ -80,8 +80,10 @@ def extrapolated_peak(
         points.append((batch, measure(batch, timeline)))
         lines.append((batch, timeline))
     b3 = target // 2
-    if halfway and b3 > points[-1][0] and (
-        limit is None or _predict_from_timelines(lines, points, b3) <= limit
+    if (
+        halfway
+        and b3 > points[-1][0]
+        and (limit is None or _predict_from_timelines(lines, points, b3) <= limit)
     ):
         timeline = []
         points.append((b3, measure(b3, timeline)))
