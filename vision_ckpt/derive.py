@@ -750,6 +750,7 @@ def _levels(
 ) -> tuple[list[DerivedLevel], list[LevelRule]]:
     """Levels 1-5 chosen, measured, given what the program cannot price, and marked, and the
     rules that run them (NOTE [ Five levels from one menu ])."""
+
     def measure(k: int, plans: list[dict[str, str]]) -> int:
         config = CheckpointConfig(preset=None, rules=_emit(regions, menus, plans, None))
         return _measured_peak(work, config, k, target)
