@@ -68,7 +68,8 @@ __all__ = [
 #   ``stage`` option), and a stack of three or more units as groups of about sqrt(n).
 # - Lean MLPs (``_lean``): not a region; a lean MLP inside a run is cut out of it as an inner
 #   region of its own (a run calls its members' own forwards, so it could not run lean).
-#   Groups and lean MLPs are tried on top of the levels (NOTE [ Five levels from one menu ]).
+#   Lean MLPs are decided before the levels, groups tried on top of them (NOTE [ Five levels
+#   from one menu ]).
 
 _UNIT_LEVEL = Level(3)
 _INNER_LEVEL = Level(2)
@@ -228,11 +229,21 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # strategy per block ] in _optimise) gives, for any memory goal, the fastest mix predicted to
 # fit.
 #
-# Level 4 is the fastest mix within _TOP_SLACK of the least memory the menus reach (Ptop): the
-# last few percent cost a second recomputation everywhere. Levels 1-3 are the fastest mixes
-# under goals spaced in the logarithm of the peak between no checkpointing (P0) and Ptop:
+# Level 4 is the fastest mix within _TOP_SLACK of the least memory the menus reach: the last
+# few percent cost a second recomputation everywhere. Its plan is measured first (Ptop, the
+# step peak of that mix), and levels 1-3 are the fastest mixes under goals spaced in the
+# logarithm of the *measured* peak between no checkpointing (P0) and Ptop:
 #
 #     goal(k) = P0 * (Ptop / P0) ** _SPACING[k]
+#
+# Measured, not the program's peak of that mix: where the step peaks outside what the blocks
+# keep (ConvNeXt-T at batch 32: a stage-0 MLP's backward), the program's least memory sits far
+# below any plan's measured peak (530 MiB predicted against 935 measured), goals spaced
+# towards it all land under that floor, and levels 2-4 each bought a second recomputation for
+# the same measured peak. Lean MLPs (no region: one activation recomputed) are decided before
+# that measurement, on from level 1 where they lower the top mix's measured peak by
+# _EXTRA_GAIN: on ConvNeXt-T they are what moves that peak (935 to 788 MiB), so levels chosen
+# without them were spaced towards the wrong one.
 #
 # _SPACING puts levels 2 and 3 in the lower half of the curve, where the hand-tuned presets put
 # theirs (levels 2 and 3 of ResNet-50, ConvNeXt-T, EfficientNet-B0 and Swin-T sit at 0.74-0.93
@@ -251,14 +262,20 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # small batches). The program's peak of a mix can miss (ResNet-50 at batch 32: a level-2 mix of
 # selective stages and full blocks predicted 1115 MiB measured 1246), so a level of 1-3 whose
 # measured peak is over its goal by more than _STEP is chosen again, asking the program for the
-# goal times predicted / measured, up to _ROUNDS choices (there: 1042 MiB). Three
+# goal times predicted / measured, up to _ROUNDS choices (there: 1042 MiB); a choice made
+# again replaces the one before only where it lowers the measured peak by _EXTRA_GAIN (it is
+# always slower: it was asked for less). Level 4 is then made as cheap as its measured peak
+# allows: the program's goal is halved between level 3's mix and level 4's, up to _ROUNDS
+# times, and a faster mix measured within _TOP_SLACK of the least peak measured for the top
+# replaces it (ConvNeXt-T, lean MLPs on: the least-memory mix, ten blocks nested, measured 824
+# MiB; a mix of fourteen full and seven selective blocks 788 MiB, for less recomputation). Three
 # additions the program cannot price are then tried, each from the top level down and kept
 # from the lowest level at which it still lowers that level's measured peak enough: stacks of
 # blocks as groups of about sqrt(n) (``segments: auto``: the blocks' inputs but one per group
 # are no longer kept, and the blocks inside a group are recomputed one at a time), only over
 # stacks whose blocks the level already recomputes whole and only at such levels (over kept
-# blocks a group would cost the stack's whole forward again), by _EXTRA_GAIN; lean MLPs, which
-# are no region, by _EXTRA_GAIN; whole stages, at level 5 only, by _STEP. Last, a level that
+# blocks a group would cost the stack's whole forward again), by _EXTRA_GAIN; whole stages,
+# at level 5 only, by _STEP; the structural fallback's regions, likewise. Last, a level that
 # does not lower the peak by _STEP from the level below is marked as that level's plan and
 # runs it.
 
@@ -530,36 +547,83 @@ def _floor_at(model: nn.Module, work: Workload, target: int, loss_fn: LossFn | N
     return int(v2 + (v2 - v1) * (target - b2) / (b2 - b1))
 
 
-def _plans(
-    menus: Menus, measure: Callable[[int, list[dict[str, str]]], int]
-) -> list[tuple[dict[str, str], Choice, int]]:
-    """Levels 1-5 as unit -> strategy, with the program's answer and the measured peak
-    (``measure(k, plans)``: level k's peak with the plans of levels 1..k), each goal of levels
-    1-3 corrected by measurement (NOTE [ Five levels from one menu ])."""
-    names = [b.name for b in menus.blocks]
+def _top_choice(menus: Menus) -> tuple[Choice, Choice]:
+    """The least memory the menus reach, and the fastest mix within _TOP_SLACK of it."""
     least = least_memory(menus.blocks, menus.base, menus.spans)
     top_goal = int(least.peak * (1 + _TOP_SLACK))
-    top = choose(menus.blocks, menus.base, top_goal, spans=menus.spans) or least
-    goals = [int(menus.peak0 * (top.peak / menus.peak0) ** w) for w in _SPACING]
+    return least, choose(menus.blocks, menus.base, top_goal, spans=menus.spans) or least
+
+
+def _plans(
+    menus: Menus,
+    measure: Callable[[int, list[dict[str, str]]], int],
+    top_peak: int | None = None,
+) -> list[tuple[dict[str, str], Choice, int]]:
+    """Levels 1-5 as unit -> strategy, with the program's answer and the measured peak
+    (``measure(k, plans)``: level k's peak with the plans of levels 1..k), the goals of levels
+    1-3 spaced towards the top mix's measured peak (``top_peak``, measured here if not given)
+    and corrected by measurement (NOTE [ Five levels from one menu ])."""
+    names = [b.name for b in menus.blocks]
+    least, top = _top_choice(menus)
+    if top_peak is None:
+        top_peak = measure(1, [dict(zip(names, _key(top), strict=True))])
+    top_peak = min(menus.peak0, top_peak)
+    goals = [int(menus.peak0 * (top_peak / menus.peak0) ** w) for w in _SPACING]
     goals += [top.peak, least.peak]  # level 5: the least memory, and the stages whole on top
     previous: tuple[str, ...] = ("keep",) * len(names)
     out: list[tuple[dict[str, str], Choice, int]] = []
     for k, goal in enumerate(goals, start=1):
         blocks, spans = _restricted(menus, previous)
         asked = goal
+        best: tuple[dict[str, str], Choice, int] | None = None
         for _ in range(_ROUNDS):
             choice = choose(blocks, menus.base, asked, spans=spans)
             if choice is None:  # the growing plan cannot reach the goal: its least memory
                 choice = least_memory(blocks, menus.base, spans)
             plan = dict(zip(names, _key(choice), strict=True))
             peak = measure(k, [*(p for p, _, _ in out), plan])
-            if k > len(_SPACING) or peak <= goal * (1 + _STEP) or asked <= least.peak:
+            if best is None or peak < best[2] * (1 - _EXTRA_GAIN):
+                best = (plan, choice, peak)
+            if k > len(_SPACING) or best[2] <= goal * (1 + _STEP) or asked <= least.peak:
                 break
             # the program under-predicted this mix: ask for less by the factor it missed by
             asked = max(least.peak, int(goal * choice.peak / peak))
-        previous = _key(choice)
-        out.append((plan, choice, peak))
+        assert best is not None
+        if k == len(_SPACING) + 1 and out:
+            best = _cheaper_top(menus, blocks, spans, out, best, top_peak, measure)
+        previous = _key(best[1])
+        out.append(best)
     return out
+
+
+def _cheaper_top(
+    menus: Menus,
+    blocks: list[Block],
+    spans: list[ChainSpan],
+    below: list[tuple[dict[str, str], Choice, int]],
+    best: tuple[dict[str, str], Choice, int],
+    top_peak: int,
+    measure: Callable[[int, list[dict[str, str]]], int],
+) -> tuple[dict[str, str], Choice, int]:
+    """Level 4: the fastest mix measured within _TOP_SLACK of the least peak measured for the
+    top, found by halving the program's goal between level 3's mix and ``best``'s (NOTE [ Five
+    levels from one menu ])."""
+    names = [b.name for b in menus.blocks]
+    lowest = min(top_peak, best[2])  # the least peak measured for the top so far
+    cheap, dear = below[-1][1].peak, best[1].peak
+    for _ in range(_ROUNDS):
+        asked = (cheap + dear) // 2
+        choice = choose(blocks, menus.base, asked, spans=spans)
+        if choice is None or asked in (cheap, dear):
+            break
+        plan = dict(zip(names, _key(choice), strict=True))
+        peak = measure(len(below) + 1, [*(p for p, _, _ in below), plan])
+        lowest = min(lowest, peak)
+        if peak <= lowest * (1 + _TOP_SLACK) and choice.time < best[1].time:
+            best, dear = (plan, choice, peak), asked
+        else:
+            cheap = asked
+    return best
 
 
 def derive_preset(
@@ -678,6 +742,7 @@ def _try_additions(
     per_level: Sequence[dict[str, str]],
     levels: list[DerivedLevel],
     target: int,
+    lean: int | None,
 ) -> _Additions:
     """Groups, lean MLPs, whole stages and the fallback's regions, each from the top down and
     kept where it lowers the measured peak enough, each on top of the ones kept before it."""
@@ -685,7 +750,8 @@ def _try_additions(
     # they would cost a whole forward more for the stack
     top = per_level[-1]
     found = _Additions(
-        [g for g in regions.groups if all(top.get(m) in ("full", "nested") for m in g.members)]
+        [g for g in regions.groups if all(top.get(m) in ("full", "nested") for m in g.members)],
+        lean=lean,
     )
 
     def config_with(addition: str) -> Callable[[int], CheckpointConfig]:
@@ -709,8 +775,6 @@ def _try_additions(
 
     if found.stacks:
         found.groups = _from_top(work, levels, target, config_with("groups"), whole_at)
-    if _lean_outside_runs(regions, _emit(regions, menus, per_level, None)):
-        found.lean = _from_top(work, levels, target, config_with("lean"))
     if regions.stages:
         found.whole = _from_top(work, levels, target, config_with("whole"), only_top, _STEP)
     if _fallback_at(work.model, len(levels)):  # _from_top drops it where it does not combine
@@ -751,11 +815,15 @@ def _levels(
     """Levels 1-5 chosen, measured, given what the program cannot price, and marked, and the
     rules that run them (NOTE [ Five levels from one menu ])."""
 
-    def measure(k: int, plans: list[dict[str, str]]) -> int:
-        config = CheckpointConfig(preset=None, rules=_emit(regions, menus, plans, None))
-        return _measured_peak(work, config, k, target)
+    def measure_with(lean: int | None) -> Callable[[int, list[dict[str, str]]], int]:
+        def measure(k: int, plans: list[dict[str, str]]) -> int:
+            config = CheckpointConfig(preset=None, rules=_emit(regions, menus, plans, lean))
+            return _measured_peak(work, config, k, target)
 
-    plans = _plans(menus, measure)
+        return measure
+
+    lean, top_peak = _lean_first(regions, menus, measure_with)
+    plans = _plans(menus, measure_with(lean), top_peak)
     per_level = [strategies for strategies, _, _ in plans]
     levels = [
         DerivedLevel(
@@ -767,7 +835,7 @@ def _levels(
         )
         for k, (strategies, choice, peak) in enumerate(plans, start=1)
     ]
-    found = _try_additions(work, regions, menus, per_level, levels, target)
+    found = _try_additions(work, regions, menus, per_level, levels, target, lean)
     if found.lean is not None:
         for lv in levels[found.lean - 1 :]:
             lv.lean = tuple(s.name for s in regions.lean)
@@ -775,6 +843,22 @@ def _levels(
     _account(levels, found, regions, menus)
     per_level = [lv.strategies for lv in levels]
     return levels, found.rules(work.model, regions, menus, per_level)
+
+
+def _lean_first(
+    regions: Regions,
+    menus: Menus,
+    measure_with: Callable[[int | None], Callable[[int, list[dict[str, str]]], int]],
+) -> tuple[int | None, int | None]:
+    """The level the lean MLPs run from (1, where they lower the top mix's measured peak by
+    _EXTRA_GAIN, else ``None``) and the top mix's measured peak so (``None`` where there is no
+    lean MLP to try): decided before the levels are chosen, since it moves the peak that they
+    are spaced towards (NOTE [ Five levels from one menu ])."""
+    plan = [dict(zip([b.name for b in menus.blocks], _key(_top_choice(menus)[1]), strict=True))]
+    if not _lean_outside_runs(regions, _emit(regions, menus, plan, None)):
+        return None, None
+    without, lean = measure_with(None)(1, plan), measure_with(1)(1, plan)
+    return (1, lean) if lean <= without * (1 - _EXTRA_GAIN) else (None, without)
 
 
 def _fallback_at(model: nn.Module, level: int) -> list[LevelRule]:
