@@ -744,8 +744,9 @@ def _try_additions(
     target: int,
     lean: int | None,
 ) -> _Additions:
-    """Groups, lean MLPs, whole stages and the fallback's regions, each from the top down and
-    kept where it lowers the measured peak enough, each on top of the ones kept before it."""
+    """Groups, whole stages and the fallback's regions, each from the top down and kept where
+    it lowers the measured peak enough, each on top of the ones kept before it and of the lean
+    MLPs (``lean``: the level they run from, decided before the levels)."""
     # groups only over blocks that are recomputed whole already: over kept or selective ones
     # they would cost a whole forward more for the stack
     top = per_level[-1]
@@ -851,9 +852,9 @@ def _lean_first(
     measure_with: Callable[[int | None], Callable[[int, list[dict[str, str]]], int]],
 ) -> tuple[int | None, int | None]:
     """The level the lean MLPs run from (1, where they lower the top mix's measured peak by
-    _EXTRA_GAIN, else ``None``) and the top mix's measured peak so (``None`` where there is no
-    lean MLP to try): decided before the levels are chosen, since it moves the peak that they
-    are spaced towards (NOTE [ Five levels from one menu ])."""
+    _EXTRA_GAIN, else ``None``) and the top mix's measured peak with that choice (``None``
+    where there is no lean MLP to try): decided before the levels are chosen, since it moves
+    the peak that they are spaced towards (NOTE [ Five levels from one menu ])."""
     plan = [dict(zip([b.name for b in menus.blocks], _key(_top_choice(menus)[1]), strict=True))]
     if not _lean_outside_runs(regions, _emit(regions, menus, plan, None)):
         return None, None
