@@ -229,10 +229,12 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # strategy per block ] in _optimise) gives, for any memory goal, the fastest mix predicted to
 # fit.
 #
-# Level 4 is the fastest mix within _TOP_SLACK of the least memory the menus reach: the last
-# few percent cost a second recomputation everywhere. Its plan is measured first (Ptop, the
-# step peak of that mix), and levels 1-3 are the fastest mixes under goals spaced in the
-# logarithm of the *measured* peak between no checkpointing (P0) and Ptop:
+# The top mix is the fastest within _TOP_SLACK of the least memory the menus reach: the last
+# few percent cost a second recomputation everywhere. The low end of the curve is measured
+# first: Ptop is the least step peak of the top mix, the least-memory mix, and that mix with
+# its stacks as sqrt(n) groups (ResNet-50 at batch 32: 941, 914 and 739 MiB; groups are priced
+# by no menu). Levels 1-3 are the fastest mixes under goals spaced in the logarithm of the
+# *measured* peak between no checkpointing (P0) and Ptop:
 #
 #     goal(k) = P0 * (Ptop / P0) ** _SPACING[k]
 #
@@ -264,11 +266,14 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # measured peak is over its goal by more than _STEP is chosen again, asking the program for the
 # goal times predicted / measured, up to _ROUNDS choices (there: 1042 MiB); a choice made
 # again replaces the one before only where it lowers the measured peak by _EXTRA_GAIN (it is
-# always slower: it was asked for less). Level 4 is then made as cheap as its measured peak
-# allows: the program's goal is halved between level 3's mix and level 4's, up to _ROUNDS
-# times, and a faster mix measured within _TOP_SLACK of the least peak measured for the top
-# replaces it (ConvNeXt-T, lean MLPs on: the least-memory mix, ten blocks nested, measured 824
-# MiB; a mix of fourteen full and seven selective blocks 788 MiB, for less recomputation). Three
+# always slower: it was asked for less). A level that still misses its goal, and level 4
+# always, is then made as cheap as its measured peak allows: the program's goal is halved
+# between the level below's mix and this one's, up to _ROUNDS times, and a faster mix measured
+# within _STEP (for level 4: _TOP_SLACK) of the least peak measured (for level 4: of Ptop too)
+# replaces it; _STEP, since peaks that close are one level's when levels are marked
+# (ResNet-50's level 3: a mix of fourteen full blocks for 16 nested ones, 941 against 914 MiB;
+# ConvNeXt-T's level 4, lean MLPs on: the top mix, ten blocks nested, measured 824 MiB; a mix
+# of fourteen full and seven selective blocks 788 MiB, for less recomputation). Three
 # additions the program cannot price are then tried, each from the top level down and kept
 # from the lowest level at which it still lowers that level's measured peak enough: stacks of
 # blocks as groups of about sqrt(n) (``segments: auto``: the blocks' inputs but one per group
@@ -589,28 +594,31 @@ def _plans(
             # the program under-predicted this mix: ask for less by the factor it missed by
             asked = max(least.peak, int(goal * choice.peak / peak))
         assert best is not None
-        if k == len(_SPACING) + 1 and out:
-            best = _cheaper_top(menus, blocks, spans, out, best, top_peak, measure)
+        if k == len(_SPACING) + 1:  # level 4: as cheap as the least measured top allows
+            lowest = min(top_peak, best[2])
+            best = _cheaper(menus, blocks, spans, out, best, lowest, _TOP_SLACK, measure)
+        elif k < len(_SPACING) + 1 and best[2] > goal * (1 + _STEP):  # missed: pay no more
+            best = _cheaper(menus, blocks, spans, out, best, best[2], _STEP, measure)
         previous = _key(best[1])
         out.append(best)
     return out
 
 
-def _cheaper_top(
+def _cheaper(
     menus: Menus,
     blocks: list[Block],
     spans: list[ChainSpan],
     below: list[tuple[dict[str, str], Choice, int]],
     best: tuple[dict[str, str], Choice, int],
-    top_peak: int,
+    lowest: int,
+    slack: float,
     measure: Callable[[int, list[dict[str, str]]], int],
 ) -> tuple[dict[str, str], Choice, int]:
-    """Level 4: the fastest mix measured within _TOP_SLACK of the least peak measured for the
-    top, found by halving the program's goal between level 3's mix and ``best``'s (NOTE [ Five
-    levels from one menu ])."""
+    """The fastest mix measured within ``slack`` of ``lowest`` (or of a lower peak measured on
+    the way), found by halving the program's goal between the level below's mix and
+    ``best``'s, up to _ROUNDS times (NOTE [ Five levels from one menu ])."""
     names = [b.name for b in menus.blocks]
-    lowest = min(top_peak, best[2])  # the least peak measured for the top so far
-    cheap, dear = below[-1][1].peak, best[1].peak
+    cheap, dear = (below[-1][1].peak if below else menus.peak0), best[1].peak
     for _ in range(_ROUNDS):
         asked = (cheap + dear) // 2
         choice = choose(blocks, menus.base, asked, spans=spans)
@@ -619,7 +627,7 @@ def _cheaper_top(
         plan = dict(zip(names, _key(choice), strict=True))
         peak = measure(len(below) + 1, [*(p for p, _, _ in below), plan])
         lowest = min(lowest, peak)
-        if peak <= lowest * (1 + _TOP_SLACK) and choice.time < best[1].time:
+        if peak <= lowest * (1 + slack) and choice.time < best[1].time:
             best, dear = (plan, choice, peak), asked
         else:
             cheap = asked
@@ -747,13 +755,7 @@ def _try_additions(
     """Groups, whole stages and the fallback's regions, each from the top down and kept where
     it lowers the measured peak enough, each on top of the ones kept before it and of the lean
     MLPs (``lean``: the level they run from, decided before the levels)."""
-    # groups only over blocks that are recomputed whole already: over kept or selective ones
-    # they would cost a whole forward more for the stack
-    top = per_level[-1]
-    found = _Additions(
-        [g for g in regions.groups if all(top.get(m) in ("full", "nested") for m in g.members)],
-        lean=lean,
-    )
+    found = _Additions(_stacks(regions, per_level[-1]), lean=lean)
 
     def config_with(addition: str) -> Callable[[int], CheckpointConfig]:
         """The plan with what was kept so far and ``addition`` from level k on."""
@@ -824,7 +826,7 @@ def _levels(
         return measure
 
     lean, top_peak = _lean_first(regions, menus, measure_with)
-    plans = _plans(menus, measure_with(lean), top_peak)
+    plans = _plans(menus, measure_with(lean), _lowest(work, regions, menus, lean, top_peak, target))
     per_level = [strategies for strategies, _, _ in plans]
     levels = [
         DerivedLevel(
@@ -844,6 +846,40 @@ def _levels(
     _account(levels, found, regions, menus)
     per_level = [lv.strategies for lv in levels]
     return levels, found.rules(work.model, regions, menus, per_level)
+
+
+def _lowest(
+    work: Workload,
+    regions: Regions,
+    menus: Menus,
+    lean: int | None,
+    top_peak: int | None,
+    target: int,
+) -> int:
+    """Ptop of NOTE [ Five levels from one menu ]: the least measured peak of the top mix
+    (``top_peak``, if measured already), the least-memory mix, and that mix with its stacks
+    as sqrt(n) groups."""
+    names = [b.name for b in menus.blocks]
+    least, top = _top_choice(menus)
+
+    def peak_of(choice: Choice, grouped: bool) -> int:
+        plan = dict(zip(names, _key(choice), strict=True))
+        stacks = _stacks(regions, plan) if grouped else []
+        rules = _emit(regions, menus, [plan], lean, 1 if stacks else None, stacks)
+        return _measured_peak(work, CheckpointConfig(preset=None, rules=rules), 1, target)
+
+    peaks = [top_peak if top_peak is not None else peak_of(top, False)]
+    if _key(least) != _key(top):
+        peaks.append(peak_of(least, False))
+    if _stacks(regions, dict(zip(names, _key(least), strict=True))):
+        peaks.append(peak_of(least, True))
+    return min(peaks)
+
+
+def _stacks(regions: Regions, plan: dict[str, str]) -> list[Span]:
+    """The stacks that may run as groups under ``plan``: those whose blocks it recomputes whole
+    (over kept or selective blocks a group would cost the stack's whole forward again)."""
+    return [g for g in regions.groups if all(plan.get(m) in ("full", "nested") for m in g.members)]
 
 
 def _lean_first(
