@@ -397,3 +397,18 @@ def test_a_level_that_misses_its_goal_keeps_the_fastest_plan_at_that_peak() -> N
     times = [_predicted(menus, plan, 1) for plan in seen]
     assert len(seen) >= 3 and max(times) > min(times)
     assert out[1][2] == 650 and out[1][1].time == min(times), (out[1][0], seen)
+
+
+def test_a_group_that_does_not_combine_is_left_out_of_the_low_end() -> None:
+    # HF PoolFormer: a ModuleList group over blocks whose own regions start at the same level is
+    # refused by plan(); measuring the low end of the curve skips it instead of failing
+    transformers = pytest.importorskip("transformers")
+    from vision_ckpt.models import output_loss
+
+    config = transformers.PoolFormerConfig(
+        hidden_sizes=[16, 32, 48, 64], depths=[2, 2, 4, 2], num_labels=10
+    )
+    torch.manual_seed(0)
+    model = transformers.PoolFormerForImageClassification(config)
+    found = derive_preset(model, torch.randn(2, 3, 64, 64), 16, loss_fn=output_loss, floor=False)
+    assert found.levels[-1].peak < found.peak0
