@@ -73,21 +73,23 @@ NOTES: dict[str, str] = {
     "fit": "Written by `python benchmarks/bench_fit.py` (one file per model): the largest "
     "batch whose step peak fits each budget, per level and for the library's own switch, "
     "from a few small CPU batches counted by the storage tracker; see [cli.md](cli.md).",
-    "derive_b32": "Written by `python benchmarks/bench_derive.py --threads 1 --reps 2 --out "
-    "benchmarks/results/derive_b32 --models vit_small_patch16_224 resnet50 convnext_tiny "
-    "efficientnet_b0 swin_tiny_patch4_window7_224 densenet121`, beside the run below (two "
+    "derive_b32": "Written by `python benchmarks/bench_derive.py --threads 1 --reps 1 --out "
+    "benchmarks/results/derive_b32 --models resnet50 convnext_tiny vit_small_patch16_224 "
+    "swin_tiny_patch4_window7_224 densenet121 efficientnet_b0`, beside the run below (two "
     "processes on two cores): each model's levels derived at batch 32 (D1-D5, distinct ones "
     "only) beside its bundled preset's levels 2, 3 and top (P) and timm's switch, real steps "
-    "at batch 32; see [derive.md](derive.md).",
-    "derive_nopreset_b32": "Written by `python benchmarks/bench_derive.py --threads 1 --reps 2 "
+    "at batch 32. The CPU clock is one round, noisy; `modelled` (FLOPs and bytes moved, the "
+    "price the derivation chooses by) and FLOPs are deterministic; see [derive.md](derive.md).",
+    "derive_nopreset_b32": "Written by `python benchmarks/bench_derive.py --threads 1 --reps 1 "
     "--out benchmarks/results/derive_nopreset_b32 --models efficientvit_b0 levit_128 fastvit_t8 "
-    "caformer_s18 ...`, beside the run above, which was killed for memory during CAFormer-S18 "
-    "(the first three models were written; CAFormer is not in the file), then `--models "
+    "...` beside the run above (it stopped at Hugging Face's PoolFormer on a ConfigError, "
+    "fixed in 28f42d5), then `--batch-size 8 --models 'monai:VNet(spatial_dims=3, "
+    "in_channels=1, out_channels=2)@1,64,64,64'` (batch 8 of 64^3 volumes), then `--models "
     "'hf:PoolFormerForImageClassification(PoolFormerConfig())' "
     "'hf:LevitForImageClassification(LevitConfig())' 'smp:MAnet(encoder_name=\"resnet34\", "
-    "encoder_weights=None, classes=2)'` (the command field records the second): models no "
+    "encoder_weights=None, classes=2)'` (the command field records the last): models no "
     "preset knows, derived levels (D) beside the structural fallback's top level (F) and the "
-    "library's own switch where it has one, real steps at batch 32; see [derive.md](derive.md).",
+    "library's own switch where it has one, real steps; see [derive.md](derive.md).",
     "presets_b8": "Written by `python benchmarks/bench_presets.py --batch-sizes 8 --reps 1 "
     "--variants L0,L1,L2,L3,L4,L5 --threads 1` after issue 25's region model (one rung type, "
     "one nesting rule, one keep policy, spans built by the plan): every level's peak of the six "
