@@ -552,6 +552,11 @@ def _floor_at(model: nn.Module, work: Workload, target: int, loss_fn: LossFn | N
     return int(v2 + (v2 - v1) * (target - b2) / (b2 - b1))
 
 
+def _plan_of(menus: Menus, choice: Choice) -> dict[str, str]:
+    """A choice of the program as unit -> strategy."""
+    return dict(zip((b.name for b in menus.blocks), _key(choice), strict=True))
+
+
 def _top_choice(menus: Menus) -> tuple[Choice, Choice]:
     """The least memory the menus reach, and the fastest mix within _TOP_SLACK of it."""
     least = least_memory(menus.blocks, menus.base, menus.spans)
@@ -571,7 +576,7 @@ def _plans(
     names = [b.name for b in menus.blocks]
     least, top = _top_choice(menus)
     if top_peak is None:
-        top_peak = measure(1, [dict(zip(names, _key(top), strict=True))])
+        top_peak = measure(1, [_plan_of(menus, top)])
     top_peak = min(menus.peak0, top_peak)
     goals = [int(menus.peak0 * (top_peak / menus.peak0) ** w) for w in _SPACING]
     goals += [top.peak, least.peak]  # level 5: the least memory, and the stages whole on top
@@ -585,7 +590,7 @@ def _plans(
             choice = choose(blocks, menus.base, asked, spans=spans)
             if choice is None:  # the growing plan cannot reach the goal: its least memory
                 choice = least_memory(blocks, menus.base, spans)
-            plan = dict(zip(names, _key(choice), strict=True))
+            plan = _plan_of(menus, choice)
             peak = measure(k, [*(p for p, _, _ in out), plan])
             if best is None or peak < best[2] * (1 - _EXTRA_GAIN):
                 best = (plan, choice, peak)
@@ -617,14 +622,13 @@ def _cheaper(
     """The fastest mix measured within ``slack`` of ``lowest`` (or of a lower peak measured on
     the way), found by halving the program's goal between the level below's mix and
     ``best``'s, up to _ROUNDS times (NOTE [ Five levels from one menu ])."""
-    names = [b.name for b in menus.blocks]
     cheap, dear = (below[-1][1].peak if below else menus.peak0), best[1].peak
     for _ in range(_ROUNDS):
         asked = (cheap + dear) // 2
         choice = choose(blocks, menus.base, asked, spans=spans)
         if choice is None or asked in (cheap, dear):
             break
-        plan = dict(zip(names, _key(choice), strict=True))
+        plan = _plan_of(menus, choice)
         peak = measure(len(below) + 1, [*(p for p, _, _ in below), plan])
         lowest = min(lowest, peak)
         if peak <= lowest * (1 + slack) and choice.time < best[1].time:
@@ -825,8 +829,10 @@ def _levels(
 
         return measure
 
-    lean, top_peak = _lean_first(regions, menus, measure_with)
-    plans = _plans(menus, measure_with(lean), _lowest(work, regions, menus, lean, top_peak, target))
+    least, top = _top_choice(menus)
+    lean, top_peak = _lean_first(regions, menus, top, measure_with)
+    lowest = _lowest(work, regions, menus, (least, top), lean, top_peak, target)
+    plans = _plans(menus, measure_with(lean), lowest)
     per_level = [strategies for strategies, _, _ in plans]
     levels = [
         DerivedLevel(
@@ -852,6 +858,7 @@ def _lowest(
     work: Workload,
     regions: Regions,
     menus: Menus,
+    least_top: tuple[Choice, Choice],
     lean: int | None,
     top_peak: int | None,
     target: int,
@@ -859,11 +866,10 @@ def _lowest(
     """Ptop of NOTE [ Five levels from one menu ]: the least measured peak of the top mix
     (``top_peak``, if measured already), the least-memory mix, and that mix with its stacks
     as sqrt(n) groups."""
-    names = [b.name for b in menus.blocks]
-    least, top = _top_choice(menus)
+    least, top = least_top
 
     def peak_of(choice: Choice, grouped: bool) -> int:
-        plan = dict(zip(names, _key(choice), strict=True))
+        plan = _plan_of(menus, choice)
         stacks = _stacks(regions, plan) if grouped else []
         rules = _emit(regions, menus, [plan], lean, 1 if stacks else None, stacks)
         return _measured_peak(work, CheckpointConfig(preset=None, rules=rules), 1, target)
@@ -871,7 +877,7 @@ def _lowest(
     peaks = [top_peak if top_peak is not None else peak_of(top, False)]
     if _key(least) != _key(top):
         peaks.append(peak_of(least, False))
-    if _stacks(regions, dict(zip(names, _key(least), strict=True))):
+    if _stacks(regions, _plan_of(menus, least)):
         try:
             peaks.append(peak_of(least, True))
         except ConfigError:  # a group over a block whose own region starts at the same level
@@ -888,13 +894,14 @@ def _stacks(regions: Regions, plan: dict[str, str]) -> list[Span]:
 def _lean_first(
     regions: Regions,
     menus: Menus,
+    top: Choice,
     measure_with: Callable[[int | None], Callable[[int, list[dict[str, str]]], int]],
 ) -> tuple[int | None, int | None]:
     """The level the lean MLPs run from (1, where they lower the top mix's measured peak by
     _EXTRA_GAIN, else ``None``) and the top mix's measured peak with that choice (``None``
     where there is no lean MLP to try): decided before the levels are chosen, since it moves
     the peak that they are spaced towards (NOTE [ Five levels from one menu ])."""
-    plan = [dict(zip([b.name for b in menus.blocks], _key(_top_choice(menus)[1]), strict=True))]
+    plan = [_plan_of(menus, top)]
     if not _lean_outside_runs(regions, _emit(regions, menus, plan, None)):
         return None, None
     without, lean = measure_with(None)(1, plan), measure_with(1)(1, plan)
