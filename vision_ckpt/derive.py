@@ -256,6 +256,13 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # its blocks checkpointed again inside it: the size table's "very large modules", for a
 # whole forward more.
 #
+# Levels 1-3 recompute a block at most once: ``nested`` (a block recomputed, then its inner
+# regions again in its backward) is offered from level 4 on, as groups of blocks are, the size
+# table's "large modules". Where a goal of levels 1-3 lies under the least memory of one
+# recomputation, that least is the level: the curve's knee, where the next few percent cost a
+# second forward (ViT-S at batch 32: every layer full, 372 MiB at 1.32x modelled; offered
+# nested and groups, level 3 bought 349 MiB for 1.64x).
+#
 # Levels grow: level k may only move a unit up the order keep < selective < full < nested (a
 # stage from keep, and from a stage only to full or nested for all its blocks), so that every
 # level's plan is the level below plus more, which is what rules "from level k on" express
@@ -271,18 +278,17 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # between the level below's mix and this one's, up to _ROUNDS times, and a faster mix measured
 # within _STEP (for level 4: _TOP_SLACK) of the least peak measured (for level 4: of Ptop too)
 # replaces it; _STEP, since peaks that close are one level's when levels are marked
-# (ResNet-50's level 3: a mix of fourteen full blocks for 16 nested ones, 941 against 914 MiB;
-# ConvNeXt-T's level 4, lean MLPs on: the top mix, ten blocks nested, measured 824 MiB; a mix
+# (ConvNeXt-T's level 4, lean MLPs on: the top mix, ten blocks nested, measured 824 MiB; a mix
 # of fourteen full and seven selective blocks 788 MiB, for less recomputation). Three
 # additions the program cannot price are then tried, each from the top level down and kept
 # from the lowest level at which it still lowers that level's measured peak enough: stacks of
 # blocks as groups of about sqrt(n) (``segments: auto``: the blocks' inputs but one per group
 # are no longer kept, and the blocks inside a group are recomputed one at a time), only over
 # stacks whose blocks the level already recomputes whole and only at such levels (over kept
-# blocks a group would cost the stack's whole forward again), by _EXTRA_GAIN; whole stages,
-# at level 5 only, by _STEP; the structural fallback's regions, likewise. Last, a level that
-# does not lower the peak by _STEP from the level below is marked as that level's plan and
-# runs it.
+# blocks a group would cost the stack's whole forward again), from level 4, by _EXTRA_GAIN;
+# whole stages, at level 5 only, by _STEP; the structural fallback's regions, likewise. Last, a
+# level that does not lower the peak by _STEP from the level below is marked as that level's
+# plan and runs it.
 
 _SPACING = (0.35, 0.75, 0.9)
 _ROUNDS = 3
@@ -300,12 +306,19 @@ def _allowed(previous: str, option: str) -> bool:
     return _RANK[option] >= _RANK[previous]
 
 
-def _restricted(menus: Menus, previous: Sequence[str]) -> tuple[list[Block], list[ChainSpan]]:
+def _restricted(
+    menus: Menus, previous: Sequence[str], once: bool = False
+) -> tuple[list[Block], list[ChainSpan]]:
     """The menus with only the options that grow ``previous`` (NOTE [ Five levels from one
-    menu ]); a stage stays on offer only while all of its blocks are kept or in it."""
+    menu ]), and with ``once`` none that recomputes a block twice (``nested``); a stage stays
+    on offer only while all of its blocks are kept or in it."""
     blocks = []
     for block, before in zip(menus.blocks, previous, strict=True):
-        options = [o for o in block.options if _allowed(before, o.strategy)]
+        options = [
+            o
+            for o in block.options
+            if _allowed(before, o.strategy) and not (once and o.strategy == "nested")
+        ]
         blocks.append(Block(block.name, tuple(options)))
     spans = [
         s
@@ -583,18 +596,19 @@ def _plans(
     previous: tuple[str, ...] = ("keep",) * len(names)
     out: list[tuple[dict[str, str], Choice, int]] = []
     for k, goal in enumerate(goals, start=1):
-        blocks, spans = _restricted(menus, previous)
+        blocks, spans = _restricted(menus, previous, once=k <= len(_SPACING))
         asked = goal
         best: tuple[dict[str, str], Choice, int] | None = None
         for _ in range(_ROUNDS):
             choice = choose(blocks, menus.base, asked, spans=spans)
+            reached = choice is not None
             if choice is None:  # the growing plan cannot reach the goal: its least memory
                 choice = least_memory(blocks, menus.base, spans)
             plan = _plan_of(menus, choice)
             peak = measure(k, [*(p for p, _, _ in out), plan])
             if best is None or peak < best[2] * (1 - _EXTRA_GAIN):
                 best = (plan, choice, peak)
-            if k > len(_SPACING) or best[2] <= goal * (1 + _STEP) or asked <= least.peak:
+            if k > len(_SPACING) or best[2] <= goal * (1 + _STEP) or not reached:
                 break
             # the program under-predicted this mix: ask for less by the factor it missed by
             asked = max(least.peak, int(goal * choice.peak / peak))
@@ -772,8 +786,8 @@ def _try_additions(
 
         return config_from
 
-    def whole_at(k: int) -> bool:
-        return all(
+    def whole_at(k: int) -> bool:  # a group of blocks is a large module: level 4 and up
+        return k >= _STAGE_LEVEL and all(
             per_level[k - 1].get(m) in ("full", "nested") for g in found.stacks for m in g.members
         )
 
@@ -822,10 +836,16 @@ def _levels(
     """Levels 1-5 chosen, measured, given what the program cannot price, and marked, and the
     rules that run them (NOTE [ Five levels from one menu ])."""
 
+    seen: dict[tuple[int, tuple[str, ...]], int] = {}
+
     def measure_with(lean: int | None) -> Callable[[int, list[dict[str, str]]], int]:
         def measure(k: int, plans: list[dict[str, str]]) -> int:
-            config = CheckpointConfig(preset=None, rules=_emit(regions, menus, plans, lean))
-            return _measured_peak(work, config, k, target)
+            rules = _emit(regions, menus, plans, lean)
+            key = (k, tuple(r.model_dump_json() for r in rules))
+            if key not in seen:  # a plan asked for again (a goal the program cannot reach)
+                config = CheckpointConfig(preset=None, rules=rules)
+                seen[key] = _measured_peak(work, config, k, target)
+            return seen[key]
 
         return measure
 
