@@ -437,3 +437,16 @@ def test_groups_of_blocks_start_at_level_4() -> None:
     found = derive_preset(_Net(depth=9), torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
     grouped = [r for r in found.rules if r.segments is not None]
     assert grouped and all(r.level >= 4 for r in grouped)
+
+
+def test_lean_mlps_start_at_level_4() -> None:
+    # a lean MLP computes its first layer again in its backward: inside a block recomputed
+    # whole, a third time, so it joins the other second recomputations from level 4 on
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_small_patch16_224", pretrained=False, img_size=64, depth=6, embed_dim=96, num_heads=3
+    )
+    found = derive_preset(model, torch.randn(2, 3, 64, 64), batch_size=16, floor=False)
+    lean = [r for r in found.rules if r.lean]
+    assert lean and all(r.level >= 4 for r in lean)
+    assert all(not lv.lean for lv in found.levels[:3])

@@ -242,10 +242,10 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # keep (ConvNeXt-T at batch 32: a stage-0 MLP's backward), the program's least memory sits far
 # below any plan's measured peak (530 MiB predicted against 935 measured), goals spaced
 # towards it all land under that floor, and levels 2-4 each bought a second recomputation for
-# the same measured peak. Lean MLPs (no region: one activation recomputed) are decided before
-# that measurement, on from level 1 where they lower the top mix's measured peak by
-# _EXTRA_GAIN: on ConvNeXt-T they are what moves that peak (935 to 788 MiB), so levels chosen
-# without them were spaced towards the wrong one.
+# the same measured peak. Lean MLPs (no region: the MLP's first layer and activation computed
+# again in its backward) are decided before that measurement, on from level 4 where they lower
+# the top mix's measured peak by _EXTRA_GAIN: on ConvNeXt-T they are what moves that peak (935
+# to 788 MiB), so levels chosen without them were spaced towards the wrong one.
 #
 # _SPACING puts levels 2 and 3 in the lower half of the curve, where the hand-tuned presets put
 # theirs (levels 2 and 3 of ResNet-50, ConvNeXt-T, EfficientNet-B0 and Swin-T sit at 0.74-0.93
@@ -257,8 +257,10 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # whole forward more.
 #
 # Levels 1-3 recompute a block at most once: ``nested`` (a block recomputed, then its inner
-# regions again in its backward) is offered from level 4 on, as groups of blocks are, the size
-# table's "large modules". Where a goal of levels 1-3 lies under the least memory of one
+# regions again in its backward) is offered from level 4 on, as groups of blocks and lean MLPs
+# are (inside a block recomputed whole, a lean MLP computes its first layer a third time: ViT-S
+# every layer full, 1.33x level 0's FLOPs with lean MLPs, 1.22x without), the size table's
+# "large modules". Where a goal of levels 1-3 lies under the least memory of one
 # recomputation, that least is the level: the curve's knee, where the next few percent cost a
 # second forward (ViT-S at batch 32: every layer full, 372 MiB at 1.32x modelled; offered
 # nested and groups, level 3 bought 349 MiB for 1.64x).
@@ -917,15 +919,16 @@ def _lean_first(
     top: Choice,
     measure_with: Callable[[int | None], Callable[[int, list[dict[str, str]]], int]],
 ) -> tuple[int | None, int | None]:
-    """The level the lean MLPs run from (1, where they lower the top mix's measured peak by
+    """The level the lean MLPs run from (4, where they lower the top mix's measured peak by
     _EXTRA_GAIN, else ``None``) and the top mix's measured peak with that choice (``None``
     where there is no lean MLP to try): decided before the levels are chosen, since it moves
     the peak that they are spaced towards (NOTE [ Five levels from one menu ])."""
-    plan = [_plan_of(menus, top)]
+    plan = [_plan_of(menus, top)] * _STAGE_LEVEL
     if not _lean_outside_runs(regions, _emit(regions, menus, plan, None)):
         return None, None
-    without, lean = measure_with(None)(1, plan), measure_with(1)(1, plan)
-    return (1, lean) if lean <= without * (1 - _EXTRA_GAIN) else (None, without)
+    without = measure_with(None)(_STAGE_LEVEL, plan)
+    lean = measure_with(_STAGE_LEVEL)(_STAGE_LEVEL, plan)
+    return (_STAGE_LEVEL, lean) if lean <= without * (1 - _EXTRA_GAIN) else (None, without)
 
 
 def _fallback_at(model: nn.Module, level: int) -> list[LevelRule]:
