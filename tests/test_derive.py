@@ -421,13 +421,15 @@ def test_a_group_that_does_not_combine_is_left_out_of_the_low_end() -> None:
     assert found.levels[-1].peak < found.peak0
 
 
-def test_levels_1_to_3_recompute_a_block_at_most_once(derived) -> None:
-    # a second recomputation (a nested block) is the size table's large modules: level 4 on;
-    # below it, a goal under one recomputation's least memory stops at that least (the knee)
+def test_levels_1_to_3_recompute_a_block_twice_only_past_the_knee(derived) -> None:
+    # a second recomputation (a nested block) is the size table's large modules: levels 1-3
+    # take it only where one recomputation's least memory makes no step from the level below
+    # (on this net level 2 is that least; level 3 would be level 2's plan again)
     _, found = derived
-    below, above = found.levels[:3], found.levels[3:]
-    assert all("nested" not in lv.strategies.values() for lv in below)
-    assert any("nested" in lv.strategies.values() for lv in above)
+    one, two, three = found.levels[:3]
+    assert "nested" not in one.strategies.values() and "nested" not in two.strategies.values()
+    assert "nested" in three.strategies.values()
+    assert three.same_as is None and three.peak <= two.peak * 0.95
 
 
 def test_groups_of_blocks_start_at_level_4() -> None:

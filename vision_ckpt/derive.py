@@ -262,8 +262,12 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # every layer full, 1.33x level 0's FLOPs with lean MLPs, 1.22x without), the size table's
 # "large modules". Where a goal of levels 1-3 lies under the least memory of one
 # recomputation, that least is the level: the curve's knee, where the next few percent cost a
-# second forward (ViT-S at batch 32: every layer full, 372 MiB at 1.32x modelled; offered
-# nested and groups, level 3 bought 349 MiB for 1.64x).
+# second forward (ViT-S at batch 32: every layer full, 309 MiB at 1.21x level 0's modelled
+# time; offered nested layers, groups and lean MLPs, level 3 had bought 247 MiB for 1.57x).
+# Only where that least is no step (_STEP) below the level below, the knee lies lower and
+# the level is chosen again past it, nested blocks offered, since the level would otherwise
+# be marked as the level below's plan (Swin-T's level 3: its peak is a first-stage MLP's
+# backward, which one recomputation per block does not move).
 #
 # Levels grow: level k may only move a unit up the order keep < selective < full < nested (a
 # stage from keep, and from a stage only to full or nested for all its blocks), so that every
@@ -298,6 +302,10 @@ _TOP_SLACK = 0.02
 _STEP = 0.05
 _EXTRA_GAIN = 0.01
 _RANK = {"keep": 0, "selective": 1, "stage": 1, "full": 2, "nested": 3}
+
+
+# a level's mix: unit -> strategy, the program's answer, the measured peak
+_Best = tuple[dict[str, str], Choice, int]
 
 
 def _allowed(previous: str, option: str) -> bool:
@@ -597,10 +605,11 @@ def _plans(
     goals += [top.peak, least.peak]  # level 5: the least memory, and the stages whole on top
     previous: tuple[str, ...] = ("keep",) * len(names)
     out: list[tuple[dict[str, str], Choice, int]] = []
-    for k, goal in enumerate(goals, start=1):
-        blocks, spans = _restricted(menus, previous, once=k <= len(_SPACING))
+
+    def level(k: int, goal: int, blocks: list[Block], spans: list[ChainSpan]) -> _Best:
+        """Level k's mix under ``goal`` from these menus, asked again and made cheaper."""
         asked = goal
-        best: tuple[dict[str, str], Choice, int] | None = None
+        best: _Best | None = None
         for _ in range(_ROUNDS):
             choice = choose(blocks, menus.base, asked, spans=spans)
             reached = choice is not None
@@ -620,6 +629,16 @@ def _plans(
             best = _cheaper(menus, blocks, spans, out, best, lowest, _TOP_SLACK, measure)
         elif k < len(_SPACING) + 1 and best[2] > goal * (1 + _STEP):  # missed: pay no more
             best = _cheaper(menus, blocks, spans, out, best, best[2], _STEP, measure)
+        return best
+
+    for k, goal in enumerate(goals, start=1):
+        once = k <= len(_SPACING)
+        best = level(k, goal, *_restricted(menus, previous, once))
+        below = out[-1][2] if out else menus.peak0
+        if once and best[2] > below * (1 - _STEP):  # the knee is below: past it, or no step
+            past = level(k, goal, *_restricted(menus, previous))
+            if past[2] < best[2] * (1 - _EXTRA_GAIN):
+                best = past
         previous = _key(best[1])
         out.append(best)
     return out
