@@ -591,7 +591,7 @@ def _plans(
     menus: Menus,
     measure: Callable[[int, list[dict[str, str]]], int],
     top_peak: int | None = None,
-) -> list[tuple[dict[str, str], Choice, int]]:
+) -> list[_Best]:
     """Levels 1-5 as unit -> strategy, with the program's answer and the measured peak
     (``measure(k, plans)``: level k's peak with the plans of levels 1..k), the goals of levels
     1-3 spaced towards the top mix's measured peak (``top_peak``, measured here if not given)
@@ -604,7 +604,7 @@ def _plans(
     goals = [int(menus.peak0 * (top_peak / menus.peak0) ** w) for w in _SPACING]
     goals += [top.peak, least.peak]  # level 5: the least memory, and the stages whole on top
     previous: tuple[str, ...] = ("keep",) * len(names)
-    out: list[tuple[dict[str, str], Choice, int]] = []
+    out: list[_Best] = []
 
     def level(k: int, goal: int, blocks: list[Block], spans: list[ChainSpan]) -> _Best:
         """Level k's mix under ``goal`` from these menus, asked again and made cheaper."""
@@ -648,12 +648,12 @@ def _cheaper(
     menus: Menus,
     blocks: list[Block],
     spans: list[ChainSpan],
-    below: list[tuple[dict[str, str], Choice, int]],
-    best: tuple[dict[str, str], Choice, int],
+    below: list[_Best],
+    best: _Best,
     lowest: int,
     slack: float,
     measure: Callable[[int, list[dict[str, str]]], int],
-) -> tuple[dict[str, str], Choice, int]:
+) -> _Best:
     """The fastest mix measured within ``slack`` of ``lowest`` (or of a lower peak measured on
     the way), found by halving the program's goal between the level below's mix and
     ``best``'s, up to _ROUNDS times (NOTE [ Five levels from one menu ])."""
