@@ -92,6 +92,31 @@ def test_resnet_bottleneck_pieces_hold_one_conv_each() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("name", "kwargs", "block", "size"),
+    [
+        ("resnet50", {}, "layer1.1", 2),  # a bottleneck: three single-conv pieces
+        ("densenet121", {}, "features.denseblock1.denselayer2", 2),  # a dense layer
+        ("efficientnet_b0", {}, "blocks.1.1", 2),  # MBConv: squeeze-excitation among convs
+        ("vit_small_patch16_224", {"img_size": 32, "depth": 2}, "blocks.1", 3),
+    ],
+)
+def test_a_regions_size_is_read_off_its_weights(name, kwargs, block, size) -> None:
+    # the size table's rows (single layer, small block, medium module) without names: a
+    # transformer layer's halves hold two matrices each, a bottleneck's pieces one conv each
+    model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+    regions = regions_of(model, torch.randn(2, 3, 32, 32))
+    assert regions.sizes[block] == size
+    assert {regions.sizes[p.name] for p in regions.inner[block]} == {size - 1} | (
+        {2} if name == "efficientnet_b0" else set()
+    )
+    # level 2's anchor: the small blocks, or inside a medium module its small blocks
+    assert block in {s.name for s in regions.of_size(2)} or size == 3
+    assert {s.name for s in regions.of_size(2)} >= {p.name for p in regions.inner[block]} or (
+        size == 2
+    )
+
+
 def _every_level_is_exact(model: nn.Module, found, assert_exact, exact_step) -> None:
     """Each derived level's step equals the plain model's, outputs, gradients and buffers."""
     x = torch.randn(8, 3, 32, 32)
@@ -386,6 +411,42 @@ def test_levels_are_spaced_towards_the_measured_top_not_the_programs() -> None:
     assert measured[3] == 450 and "nested" not in out[3][0].values(), out[3][0]
 
 
+def test_a_level_goes_at_least_as_low_as_its_anchor() -> None:
+    # spaced, level 2 would stop above what checkpointing every small block measures (DenseNet:
+    # 989 MiB spaced, 581 its dense layers alone); its anchor is the most it may keep
+    from vision_ckpt.derive import _plans
+
+    # (on these menus level 2 is spaced onto their least memory already: the anchor is put on
+    # level 1, whose spaced goal stops at 450 bytes, selective blocks)
+    menus = _chain()
+    spaced = _plans(menus, lambda k, plans: _predicted(menus, plans[-1]))
+    anchored = _plans(menus, lambda k, plans: _predicted(menus, plans[-1]), anchors={1: 300})
+    assert spaced[0][2] > 300 * 1.05 >= anchored[0][2], (spaced[0][2], anchored[0][2])
+    assert "full" in anchored[0][0].values() and "full" not in spaced[0][0].values()
+    # an anchor above the spaced goal changes nothing
+    loose = _plans(menus, lambda k, plans: _predicted(menus, plans[-1]), anchors={1: 10**6})
+    assert [p for _, _, p in loose] == [p for _, _, p in spaced]
+
+
+def test_a_level_above_a_level_past_its_knee_keeps_its_nested_blocks() -> None:
+    # one recomputation per block moves nothing below 450 bytes here, so level 2 goes past its
+    # knee with nested blocks; level 3, bounded by one recomputation again, keeps them (it
+    # had no option left for them: MONAI VNet's derivation failed there)
+    from vision_ckpt.derive import _plans
+
+    menus = _chain()
+
+    def measure(k: int, plans: list[dict[str, str]]) -> int:
+        peak = _predicted(menus, plans[-1])
+        return peak if "nested" in plans[-1].values() else max(450, peak)
+
+    out = _plans(menus, measure)
+    assert "nested" in out[1][0].values()
+    for below, above in zip(out[1:], out[2:], strict=False):
+        nested = {n for n, s in below[0].items() if s == "nested"}
+        assert all(above[0][n] == "nested" for n in nested)
+
+
 def test_a_level_that_misses_its_goal_keeps_the_fastest_plan_at_that_peak() -> None:
     # level 2 measures over its goal whatever is chosen: asking again for less buys nothing,
     # so the level ends with the fastest of the plans measured at that peak, never a slower one
@@ -452,3 +513,46 @@ def test_lean_mlps_start_at_level_4() -> None:
     lean = [r for r in found.rules if r.lean]
     assert lean and all(r.level >= 4 for r in lean)
     assert all(not lv.lean for lv in found.levels[:3])
+
+
+class _Pair(nn.Module):
+    """Two conv units and a residual add: an up-transition of a decoder, in small."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.act1 = nn.SiLU()
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(self.act1(self.conv1(x)))
+
+
+class _Trunk(nn.Module):
+    """No repeated sequence: a stem conv, two pairs, a pool, called one after the other (a run
+    longer than the runs inside a pair, so it is the one chosen)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.a = _Pair(width)
+        self.b = _Pair(width)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.b(self.a(self.stem(x)))).flatten(1))
+
+
+def test_a_run_of_weighted_modules_is_cut_into_units_that_nest(assert_exact, exact_step) -> None:
+    # stem..pool is one run of sibling calls; recomputed whole it would hold both pairs'
+    # activations at once (MONAI VNet's up_tr64..out_tr): cut as a block's pieces are, each
+    # pair is a unit of its own whose two conv units can be recomputed again inside it
+    torch.manual_seed(0)
+    model = _Trunk()
+    regions = regions_of(model, torch.randn(2, 3, 16, 16))
+    assert [u.label for u in regions.units] == ["stem", "a", "b..pool", "head"]
+    assert [p.label for p in regions.inner["a"]] == ["a.conv1..act1", "a.conv2"]
+    assert regions.sizes["a"] == 2 and regions.sizes["stem"] == 1
+    found = derive_preset(model, torch.randn(2, 3, 16, 16), batch_size=16, floor=False)
+    _every_level_is_exact(model, found, assert_exact, exact_step)

@@ -15,6 +15,7 @@ one menu ] for how the levels are chosen, and docs/derive.md for measurements.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -54,16 +55,23 @@ __all__ = [
 #
 # - Units (what the planner's program chooses one option for, in forward order): the innermost
 #   blocks of repeated sequences (a residual block, a transformer layer, a dense layer); the
-#   longest runs of consecutive sibling calls outside every block (a stem conv-norm-act-pool);
-#   and the outermost other modules outside both that take part in the forward (a patch
-#   embedding, a downsampling layer, a transition, the head).
-# - Inner regions of a block (what a ``nested`` block checkpoints again while it is
-#   recomputed): its direct children, joined into runs where they form one, and cut so that
-#   each piece holds one child with weight matrices or kernels (a parameter of two or more
-#   dimensions) and the light layers after it; light layers before the first heavy one join it.
-#   A ResNet bottleneck gives conv1..act1 | conv2..act2 | conv3..bn3, a ViT layer its attention
-#   half and its MLP half. A block with fewer than two pieces has no nested option (nested
-#   recomputation of one piece is the block itself again).
+#   longest runs of consecutive sibling calls outside every block, cut as a block's inner
+#   regions are (below), so that each holds one heavy member (a stem conv-norm-act-pool stays
+#   one run; MONAI VNet's up_tr64, up_tr32 and out_tr, called one after the other, are three
+#   units: as one run, recomputed whole, its backward held all three decoder stages'
+#   activations at once, a peak no region inside could lower); and the outermost other
+#   modules outside both that take part in the forward (a patch embedding, a downsampling
+#   layer, a transition, the head).
+# - Inner regions of a block, or of a module unit that holds no other unit (an up-transition),
+#   what a ``nested`` unit checkpoints again while it is recomputed: its direct children,
+#   joined into runs where they form one, and cut so that each piece holds one child with
+#   weight matrices or kernels (a parameter of two or more dimensions) and the light layers
+#   after it; light layers before the first heavy one join it. A ResNet bottleneck gives
+#   conv1..act1 | conv2..act2 | conv3..bn3, a ViT layer its attention half and its MLP half. A
+#   unit with fewer than two pieces has no nested option (nested recomputation of one piece is
+#   the unit itself again).
+# - Sizes: each unit and inner region has a row of the size table (NOTE [ The size table's
+#   rows ]), which anchors levels 2 and 3.
 # - Stages: what holds a sequence of blocks may run as one selective region (the planner's
 #   ``stage`` option), and a stack of three or more units as groups of about sqrt(n).
 # - Lean MLPs (``_lean``): not a region; a lean MLP inside a run is cut out of it as an inner
@@ -85,6 +93,26 @@ def _heavy(module: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters())
 
 
+def _cut(model: nn.Module, run: Span, lean: set[str]) -> list[Span]:
+    """``run`` cut before each member with a kernel or a weight matrix but the first, and around
+    a lean MLP (which then runs lean in a region of its own: a run would call its forward)."""
+    members = list(run.members)
+    heavy = [i for i, m in enumerate(members) if _heavy(model.get_submodule(m))]
+    cuts = set(heavy[1:])
+    for i, m in enumerate(members):
+        if m in lean:
+            cuts |= {i, i + 1}
+    bounds = sorted({0, *cuts, len(members)})
+    out = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        part = tuple(members[a:b])
+        if len(part) == 1:
+            out.append(Span("module", part[0], part, run.order))
+        else:
+            out.append(Span("run", part[0], part, run.order, through=part[-1].rpartition(".")[2]))
+    return out
+
+
 def _pieces(model: nn.Module, block: str, spans: Sequence[Span]) -> list[Span]:
     """The inner regions of ``block`` (NOTE [ Regions from a trace ]): runs and modules among
     its direct children, one heavy child each, a lean MLP alone."""
@@ -101,25 +129,7 @@ def _pieces(model: nn.Module, block: str, spans: Sequence[Span]) -> list[Span]:
     )
     pieces: list[Span] = []
     for unit in units:
-        if unit.kind == "module":
-            pieces.append(unit)
-            continue
-        # cut a run before each heavy member but the first, and around a lean MLP (which
-        # then runs lean inside its own region: a run would call its own forward)
-        members = list(unit.members)
-        heavy = [i for i, m in enumerate(members) if _heavy(model.get_submodule(m))]
-        cuts = set(heavy[1:])
-        for i, m in enumerate(members):
-            if m in lean:
-                cuts |= {i, i + 1}
-        bounds = sorted({0, *cuts, len(members)})
-        for a, b in zip(bounds, bounds[1:], strict=False):
-            part = tuple(members[a:b])
-            if len(part) == 1:
-                pieces.append(Span("module", part[0], part, unit.order))
-            else:
-                last = part[-1].rpartition(".")[2]
-                pieces.append(Span("run", part[0], part, unit.order, through=last))
+        pieces += [unit] if unit.kind == "module" else _cut(model, unit, lean)
     return [p for p in pieces if any(_heavy(model.get_submodule(m)) for m in p.members)]
 
 
@@ -137,12 +147,26 @@ class Regions:
     """MLPs that can run with the lean backward."""
     groups: list[Span] = field(default_factory=list)
     """Stacks of three or more units that can run as groups of about sqrt(n) (``segments``)."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Unit or inner region -> its row of the size table (NOTE [ The size table's rows ]):
+    1 a single layer, 2 a small block, 3 a medium module."""
 
     def named(self) -> dict[str, Span]:
         """Name -> span, of every unit, inner region and stage (a unit wins over an inner
         region or a stage of the same name)."""
         inner = {s.name: s for ps in self.inner.values() for s in ps}
         return inner | {s.name: s for s in self.stages} | {s.name: s for s in self.units}
+
+    def of_size(self, size: int) -> list[Span]:
+        """The outermost regions of at most ``size`` (NOTE [ The size table's rows ]): the
+        units that small, and inside a larger unit its inner regions that small."""
+        out = []
+        for unit in self.units:
+            if self.sizes.get(unit.name, size + 1) <= size:
+                out.append(unit)
+            else:
+                out += [p for p in self.inner.get(unit.name, []) if self.sizes[p.name] <= size]
+        return out
 
     def base_rules(self) -> list[LevelRule]:
         """The rules that make the planner's candidates: units at level 3, inner regions at
@@ -209,14 +233,59 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
         and not any(s.name == m or _inside(s.name, m) for m in in_runs)
     ]
     others = [o for o in others if not any(_inside(o.name, p.name) for p in others)]
-    units = sorted([*blocks, *chosen_runs, *others], key=lambda s: s.order)
-    inner = {b.name: _pieces(model, b.name, spans) for b in blocks}
+    lean = {s.name for s in spans if s.kind == "lean"}
+    cut: list[Span] = []
+    for run in chosen_runs:  # one heavy member each, as a block's pieces; light parts left out
+        pieces = _cut(model, run, lean)
+        heavy = [p for p in pieces if any(_heavy(model.get_submodule(m)) for m in p.members)]
+        cut += heavy if len(pieces) > 1 else pieces
+    units = sorted([*blocks, *cut, *others], key=lambda s: s.order)
+    # a module unit holding no other unit has inner regions too (a decoder's up-transition)
+    holders = [*blocks]
+    for u in units:
+        if u.kind == "module" and not any(_inside(o.name, u.name) for o in units):
+            holders.append(u)
+    inner = {b.name: _pieces(model, b.name, spans) for b in holders}
     inner = {b: ps for b, ps in inner.items() if len(ps) >= 2}
     stages = [s for s in spans if s.kind == "stage"]
     lean = [s for s in spans if s.kind == "lean"]
     unit_names = {u.name for u in units}
     groups = [s for s in spans if s.kind == "groups" and all(m in unit_names for m in s.members)]
-    return Regions(units, inner, stages, lean, groups)
+    sizes: dict[str, int] = {}
+    for span in [*units, *(p for ps in inner.values() for p in ps)]:
+        sizes[span.name] = _size(model, span, inner)
+    return Regions(units, inner, stages, lean, groups, sizes)
+
+
+# NOTE [ The size table's rows ]
+#
+# The level contract names what each level checkpoints by size: single layers (1), small blocks
+# such as a residual block, an attention block or a dense layer (2), medium modules such as a
+# transformer layer (3). A region's row is read off its weights and inner regions, not its
+# names: a region holding at most one layer with a weight of two or more dimensions (a conv
+# or a linear layer with its norm and activation) is a single layer; a block is one row above
+# the least of its inner regions (a bottleneck or a dense layer, whose pieces hold one conv
+# each, is a small block; a transformer layer, whose attention and MLP halves hold two matrices
+# each, is a medium module; an MBConv block with a squeeze-excitation among single convs is a
+# small block); any other region holding two or more such layers is a small block. The rows are
+# the derived levels 2 and 3's anchors (NOTE [ Five levels from one menu ]).
+
+
+def _weighted_layers(model: nn.Module, span: Span) -> int:
+    """How many modules in ``span`` hold a weight of two or more dimensions of their own."""
+    return sum(
+        any(p.dim() >= 2 for p in sub.parameters(recurse=False))
+        for member in span.members
+        for sub in model.get_submodule(member).modules()
+    )
+
+
+def _size(model: nn.Module, span: Span, inner: dict[str, list[Span]]) -> int:
+    """``span``'s row of the size table (NOTE [ The size table's rows ])."""
+    pieces = inner.get(span.name)
+    if pieces:
+        return min(3, 1 + min(_size(model, p, inner) for p in pieces))
+    return 1 if _weighted_layers(model, span) <= 1 else 2
 
 
 # NOTE [ Five levels from one menu ]
@@ -249,7 +318,16 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 #
 # _SPACING puts levels 2 and 3 in the lower half of the curve, where the hand-tuned presets put
 # theirs (levels 2 and 3 of ResNet-50, ConvNeXt-T, EfficientNet-B0 and Swin-T sit at 0.74-0.93
-# and 0.82-1.0 of that logarithmic distance), and level 1 where memory is cheap to win. Level 5
+# and 0.82-1.0 of that logarithmic distance), and level 1 where memory is cheap to win. Levels
+# 2 and 3 also keep the size table's promise: each goes at least as low as its anchor, the
+# measured peak of its row (NOTE [ The size table's rows ]) checkpointed alone, every small
+# block for level 2 and every medium module for level 3, where the model has a row of that
+# size holding more than the row below; an anchored level lower than its spaced place moves
+# the spaced levels above it, which then sit between it and the top as _SPACING spaces them
+# between it and the top. A fixed share of the distance to the top cannot know where a
+# model's own small blocks take it: DenseNet-121 at batch 32 spaced its level 2 at 989 MiB,
+# where its dense layers alone hold 581 (its preset's level 2: 580), and on a curve that flat
+# the rest of the way costs little (level 2 now 581 MiB at 1.27x modelled). Level 5
 # is the least memory the menus reach from level 4 (the predictions of the last few percent
 # err most: ViT-S at batch 32 measured 247 MiB with seven of twelve layers nested, 201 with
 # all), and a candidate for every stage (what holds a sequence of blocks) recomputed whole,
@@ -320,14 +398,16 @@ def _restricted(
     menus: Menus, previous: Sequence[str], once: bool = False
 ) -> tuple[list[Block], list[ChainSpan]]:
     """The menus with only the options that grow ``previous`` (NOTE [ Five levels from one
-    menu ]), and with ``once`` none that recomputes a block twice (``nested``); a stage stays
-    on offer only while all of its blocks are kept or in it."""
+    menu ]), and with ``once`` none that newly recomputes a block twice (``nested``, unless a
+    level below, past its knee, made it so already); a stage stays on offer only while all of
+    its blocks are kept or in it."""
     blocks = []
     for block, before in zip(menus.blocks, previous, strict=True):
         options = [
             o
             for o in block.options
-            if _allowed(before, o.strategy) and not (once and o.strategy == "nested")
+            if _allowed(before, o.strategy)
+            and not (once and o.strategy == "nested" and before != "nested")
         ]
         blocks.append(Block(block.name, tuple(options)))
     spans = [
@@ -591,17 +671,22 @@ def _plans(
     menus: Menus,
     measure: Callable[[int, list[dict[str, str]]], int],
     top_peak: int | None = None,
+    anchors: dict[int, int] | None = None,
 ) -> list[_Best]:
     """Levels 1-5 as unit -> strategy, with the program's answer and the measured peak
     (``measure(k, plans)``: level k's peak with the plans of levels 1..k), the goals of levels
-    1-3 spaced towards the top mix's measured peak (``top_peak``, measured here if not given)
-    and corrected by measurement (NOTE [ Five levels from one menu ])."""
+    1-3 spaced towards the top mix's measured peak (``top_peak``, measured here if not given),
+    no higher than their anchors (``anchors``: level -> the measured peak of the size table's
+    row) and corrected by measurement (NOTE [ Five levels from one menu ])."""
     names = [b.name for b in menus.blocks]
     least, top = _top_choice(menus)
     if top_peak is None:
         top_peak = measure(1, [_plan_of(menus, top)])
     top_peak = min(menus.peak0, top_peak)
-    goals = [int(menus.peak0 * (top_peak / menus.peak0) ** w) for w in _SPACING]
+    goals = [
+        int(menus.peak0 * (top_peak / menus.peak0) ** w)
+        for w in _spaced(menus.peak0, top_peak, anchors or {})
+    ]
     goals += [top.peak, least.peak]  # level 5: the least memory, and the stages whole on top
     previous: tuple[str, ...] = ("keep",) * len(names)
     out: list[_Best] = []
@@ -642,6 +727,25 @@ def _plans(
         previous = _key(best[1])
         out.append(best)
     return out
+
+
+def _spaced(peak0: int, top_peak: int, anchors: dict[int, int]) -> list[float]:
+    """Where levels 1-3 sit between level 0 (0) and the top (1), in the logarithm of the peak:
+    _SPACING, a level no higher than its anchor, and the levels above an anchored one spaced
+    between it and the top as _SPACING spaces them between that level and the top (NOTE [ Five
+    levels from one menu ])."""
+    at = list(_SPACING)
+    if top_peak >= peak0:
+        return at
+    for k, anchor in sorted(anchors.items()):
+        x = math.log(peak0 / anchor) / math.log(peak0 / top_peak)
+        if x <= at[k - 1]:
+            continue
+        for j in range(k, len(at)):
+            share = (_SPACING[j] - _SPACING[k - 1]) / (1 - _SPACING[k - 1])
+            at[j] = max(at[j], x + share * (1 - x))
+        at[k - 1] = x
+    return at
 
 
 def _cheaper(
@@ -873,7 +977,7 @@ def _levels(
     least, top = _top_choice(menus)
     lean, top_peak = _lean_first(regions, menus, top, measure_with)
     lowest = _lowest(work, regions, menus, (least, top), lean, top_peak, target)
-    plans = _plans(menus, measure_with(lean), lowest)
+    plans = _plans(menus, measure_with(lean), lowest, _anchors(work, regions, target))
     per_level = [strategies for strategies, _, _ in plans]
     levels = [
         DerivedLevel(
@@ -893,6 +997,21 @@ def _levels(
     _account(levels, found, regions, menus)
     per_level = [lv.strategies for lv in levels]
     return levels, found.rules(work.model, regions, menus, per_level)
+
+
+def _anchors(work: Workload, regions: Regions, target: int) -> dict[int, int]:
+    """Levels 2 and 3's anchors: the measured peak of every region of the size table's row 2,
+    then 3, checkpointed alone (NOTE [ The size table's rows ]), where the row holds more than
+    the row below."""
+    out: dict[int, int] = {}
+    below: list[Span] = regions.of_size(1)
+    for size in (2, 3):
+        spans = regions.of_size(size)
+        if spans and [s.name for s in spans] != [s.name for s in below]:
+            rules = [_rule(s, 1) for s in spans]
+            out[size] = _measured_peak(work, CheckpointConfig(preset=None, rules=rules), 1, target)
+        below = spans
+    return out
 
 
 def _lowest(
