@@ -162,7 +162,7 @@ class Regions:
         units that small, and inside a larger unit its inner regions that small."""
         out = []
         for unit in self.units:
-            if self.sizes.get(unit.name, size + 1) <= size:
+            if self.sizes.get(unit.name, size + 1) <= size:  # no row known: not this small
                 out.append(unit)
             else:
                 out += [p for p in self.inner.get(unit.name, []) if self.sizes[p.name] <= size]
@@ -233,10 +233,10 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
         and not any(s.name == m or _inside(s.name, m) for m in in_runs)
     ]
     others = [o for o in others if not any(_inside(o.name, p.name) for p in others)]
-    lean = {s.name for s in spans if s.kind == "lean"}
+    lean_names = {s.name for s in spans if s.kind == "lean"}
     cut: list[Span] = []
     for run in chosen_runs:  # one heavy member each, as a block's pieces; light parts left out
-        pieces = _cut(model, run, lean)
+        pieces = _cut(model, run, lean_names)
         heavy = [p for p in pieces if any(_heavy(model.get_submodule(m)) for m in p.members)]
         cut += heavy if len(pieces) > 1 else pieces
     units = sorted([*blocks, *cut, *others], key=lambda s: s.order)
