@@ -556,3 +556,13 @@ def test_a_run_of_weighted_modules_is_cut_into_units_that_nest(assert_exact, exa
     assert regions.sizes["a"] == 2 and regions.sizes["stem"] == 1
     found = derive_preset(model, torch.randn(2, 3, 16, 16), batch_size=16, floor=False)
     _every_level_is_exact(model, found, assert_exact, exact_step)
+
+
+def test_a_module_the_planner_holds_as_a_stage_gets_its_rule(assert_exact, exact_step) -> None:
+    # GhostNet's shortcut (conv, norm, conv, norm) is cut into two run units; the planner
+    # offers the module holding them as a stage, which the trace never named one
+    torch.manual_seed(0)
+    model = timm.create_model("ghostnet_100", pretrained=False, num_classes=10)
+    found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=8, floor=False)
+    assert found.levels[-1].peak < found.peak0
+    _every_level_is_exact(model, found, assert_exact, exact_step)

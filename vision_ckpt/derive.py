@@ -598,8 +598,10 @@ def _emit(
     for stage in dict.fromkeys(menus.stage_of.values()):
         inside = [b.name for b in menus.blocks if menus.stage_of.get(b.name) == stage]
         first = _first([lv.get(inside[0], "keep") for lv in per_level], ("stage",))
-        if first is not None:
-            rules.append(_rule(stages[stage], first, keep="heavy"))
+        if first is not None:  # the planner's stage: a traced one, or a module holding two
+            # units of the trace's (GhostNet's shortcut holds two cut runs)
+            span = stages.get(stage) or Span("module", stage, (stage,), 0)
+            rules.append(_rule(span, first, keep="heavy"))
     for block in menus.blocks:
         sequence = [lv.get(block.name, "keep") for lv in per_level]
         span = spans[block.name]
