@@ -566,3 +566,16 @@ def test_a_module_the_planner_holds_as_a_stage_gets_its_rule(assert_exact, exact
     found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=8, floor=False)
     assert found.levels[-1].peak < found.peak0
     _every_level_is_exact(model, found, assert_exact, exact_step)
+
+
+def test_a_lean_mlp_holding_a_region_of_the_plan_stays_plain(assert_exact, exact_step) -> None:
+    # EdgeNeXt's last block of a stage is no member of the repeated blocks before it, so a run
+    # inside its MLP (fc1 through norm) is a unit; the MLP, holding that region, cannot also be
+    # lean (plan() refuses the two together) and is left out of the lean rules
+    torch.manual_seed(0)
+    model = timm.create_model("edgenext_xx_small", pretrained=False, num_classes=10)
+    found = derive_preset(model, torch.randn(2, 3, 64, 64), batch_size=8, floor=False)
+    lean = {r.match for r in found.rules if r.lean}
+    regions = {r.match for r in found.rules if not r.lean}
+    assert lean and not any(m.startswith(n + ".") for n in lean for m in regions), lean
+    _every_level_is_exact(model, found, assert_exact, exact_step)

@@ -627,16 +627,26 @@ def _emit(
 
 
 def _lean_outside_runs(regions: Regions, rules: Sequence[LevelRule]) -> list[Span]:
-    """The lean MLPs that no run of ``rules`` holds: a run calls its members' own forwards, so a
-    lean MLP inside one is refused (``plan()``)."""
+    """The lean MLPs that no run of ``rules`` holds and that hold no region of ``rules``: a run
+    calls its members' own forwards, and a lean MLP computes its layers itself, so ``plan()``
+    refuses either (a run ``fc1..norm`` inside EdgeNeXt's last block's MLP, outside the
+    repeated blocks, is a unit of its own)."""
+    spans = [*regions.units, *(p for ps in regions.inner.values() for p in ps)]
+    matched = {r.match for r in rules}
     in_runs = {
         m
-        for s in [*regions.units, *(p for ps in regions.inner.values() for p in ps)]
+        for s in spans
         if s.kind == "run"
         and any(r.match == exact_name_pattern(s.name) and r.through for r in rules)
         for m in s.members
     }
-    return [s for s in regions.lean if s.name not in in_runs]
+    holding = {
+        lean.name
+        for lean in regions.lean
+        for s in spans
+        if _inside(s.name, lean.name) and exact_name_pattern(s.name) in matched
+    }
+    return [s for s in regions.lean if s.name not in in_runs | holding]
 
 
 def _measured_peak(work: Workload, config: CheckpointConfig, level: int, target: int) -> int:
