@@ -93,6 +93,11 @@ def _heavy(module: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters())
 
 
+def _weighted(model: nn.Module, span: Span) -> bool:
+    """Whether any member of ``span`` holds a kernel or a weight matrix."""
+    return any(_heavy(model.get_submodule(m)) for m in span.members)
+
+
 def _cut(model: nn.Module, run: Span, lean: set[str]) -> list[Span]:
     """``run`` cut before each member with a kernel or a weight matrix but the first, and around
     a lean MLP (which then runs lean in a region of its own: a run would call its forward)."""
@@ -130,7 +135,7 @@ def _pieces(model: nn.Module, block: str, spans: Sequence[Span]) -> list[Span]:
     pieces: list[Span] = []
     for unit in units:
         pieces += [unit] if unit.kind == "module" else _cut(model, unit, lean)
-    return [p for p in pieces if any(_heavy(model.get_submodule(m)) for m in p.members)]
+    return [p for p in pieces if _weighted(model, p)]
 
 
 @dataclass(frozen=True)
@@ -237,8 +242,7 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
     cut: list[Span] = []
     for run in chosen_runs:  # one heavy member each, as a block's pieces; light parts left out
         pieces = _cut(model, run, lean_names)
-        heavy = [p for p in pieces if any(_heavy(model.get_submodule(m)) for m in p.members)]
-        cut += heavy if len(pieces) > 1 else pieces
+        cut += [p for p in pieces if _weighted(model, p)] if len(pieces) > 1 else pieces
     units = sorted([*blocks, *cut, *others], key=lambda s: s.order)
     # a module unit holding no other unit has inner regions too (a decoder's up-transition)
     holders = [*blocks]
@@ -593,15 +597,13 @@ def _emit(
     menu ]): per unit a selective rung, a full rung and its inner regions, each from the first
     level that uses it; per stage a selective rung from the first level it is chosen."""
     spans = regions.named()
-    stages = {s.name: s for s in regions.stages}
     rules: list[LevelRule] = []
     for stage in dict.fromkeys(menus.stage_of.values()):
         inside = [b.name for b in menus.blocks if menus.stage_of.get(b.name) == stage]
         first = _first([lv.get(inside[0], "keep") for lv in per_level], ("stage",))
-        if first is not None:  # the planner's stage: a traced one, or a module holding two
-            # units of the trace's (GhostNet's shortcut holds two cut runs)
-            span = stages.get(stage) or Span("module", stage, (stage,), 0)
-            rules.append(_rule(span, first, keep="heavy"))
+        if first is not None:  # the planner's stage is a module: a traced stage, or one
+            # holding two units of the trace's (GhostNet's shortcut holds two cut runs)
+            rules.append(_rule(Span("module", stage, (stage,), 0), first, keep="heavy"))
     for block in menus.blocks:
         sequence = [lv.get(block.name, "keep") for lv in per_level]
         span = spans[block.name]
@@ -633,11 +635,11 @@ def _lean_outside_runs(regions: Regions, rules: Sequence[LevelRule]) -> list[Spa
     repeated blocks, is a unit of its own)."""
     spans = [*regions.units, *(p for ps in regions.inner.values() for p in ps)]
     matched = {r.match for r in rules}
+    run_matches = {r.match for r in rules if r.through}
     in_runs = {
         m
         for s in spans
-        if s.kind == "run"
-        and any(r.match == exact_name_pattern(s.name) and r.through for r in rules)
+        if s.kind == "run" and exact_name_pattern(s.name) in run_matches
         for m in s.members
     }
     holding = {
