@@ -210,6 +210,7 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
         print(f"  round {round_ + 1}: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
     for label, r in ratios.items():
         rows[label]["time_ratio"] = round(statistics.median(r), 3)
+        rows[label]["time_rounds"] = [round(v, 3) for v in r]
     return list(rows.values())
 
 
