@@ -117,9 +117,9 @@ def test_a_regions_size_is_read_off_its_weights(name, kwargs, block, size) -> No
     )
 
 
-def _every_level_is_exact(model: nn.Module, found, assert_exact, exact_step) -> None:
+def _every_level_is_exact(model: nn.Module, found, assert_exact, exact_step, img: int = 32) -> None:
     """Each derived level's step equals the plain model's, outputs, gradients and buffers."""
-    x = torch.randn(8, 3, 32, 32)
+    x = torch.randn(8, 3, img, img)
     reference = exact_step(copy.deepcopy(model), x)
     for level in range(1, 6):
         m = copy.deepcopy(model)
@@ -579,3 +579,45 @@ def test_a_lean_mlp_holding_a_region_of_the_plan_stays_plain(assert_exact, exact
     regions = {r.match for r in found.rules if not r.lean}
     assert lean and not any(m.startswith(n + ".") for n in lean for m in regions), lean
     _every_level_is_exact(model, found, assert_exact, exact_step)
+
+
+# issue 26's models, the six with a bundled preset and four with none, at small images (32-128
+# px, large enough that activations, not parameter gradients, make the peak; Swin-T with 2x2
+# windows) and with dropout or drop-path on, so that the family check runs every derived
+# level's recomputation with the generator in play
+_ISSUE_MODELS = [
+    pytest.param("resnet50", {"drop_rate": 0.2, "drop_path_rate": 0.1}, 96, marks=pytest.mark.slow),
+    pytest.param("convnext_tiny", {"drop_path_rate": 0.1}, 96, marks=pytest.mark.slow),
+    pytest.param(
+        "vit_small_patch16_224",
+        {"img_size": 128, "drop_path_rate": 0.1},
+        128,
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "swin_tiny_patch4_window7_224",
+        {"img_size": 64, "window_size": 2, "drop_path_rate": 0.1},
+        64,
+        marks=pytest.mark.slow,
+    ),
+    pytest.param("densenet121", {"drop_rate": 0.2}, 32, marks=pytest.mark.slow),
+    pytest.param("efficientnet_b0", {"drop_path_rate": 0.1}, 32, marks=pytest.mark.slow),
+    pytest.param("efficientvit_b0", {"drop_rate": 0.2}, 64),  # 4 s: in the default suite
+    pytest.param(
+        "levit_128", {"img_size": 128, "drop_path_rate": 0.1}, 128, marks=pytest.mark.slow
+    ),
+    pytest.param("fastvit_t8", {"drop_path_rate": 0.1}, 64, marks=pytest.mark.slow),
+    pytest.param("caformer_s18", {"drop_path_rate": 0.1}, 64, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs", "img"), _ISSUE_MODELS)
+def test_every_derived_level_of_the_issues_models_is_exact(
+    name, kwargs, img, assert_exact, exact_step
+) -> None:
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+    found = derive_preset(model, torch.randn(2, 3, img, img), batch_size=8, floor=False)
+    peaks = [found.peak0] + [lv.peak for lv in found.levels]
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0], peaks
+    _every_level_is_exact(model, found, assert_exact, exact_step, img)
