@@ -24,9 +24,11 @@ FLOPs and bytes moved at the batch, NOTE [ A modelled price ] in ``vision_ckpt._
 price ``derive_preset`` chooses by). BatchNorm statistics after the first step are
 compared with L0's (``bn_exact``).
 
-    python benchmarks/bench_derive.py --threads 2 --reps 2 --out benchmarks/results/derive_b32
+    python benchmarks/bench_derive.py --threads 1 --reps 5 --out benchmarks/results/derive_b32
     python benchmarks/bench_derive.py --models efficientvit_b0 levit_128 fastvit_t8 caformer_s18 \
-        --threads 2 --reps 2 --out benchmarks/results/derive_nopreset_b32
+        --threads 1 --reps 5 --out benchmarks/results/derive_nopreset_b32
+
+(docs/benchmarks.md says how the published files were split over processes.)
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
         print(f"  round {round_ + 1}: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
     for label, r in ratios.items():
         rows[label]["time_ratio"] = round(statistics.median(r), 3)
-        rows[label]["time_rounds"] = [round(v, 3) for v in r]
+        rows[label]["time_rounds"] = " ".join(f"{v:.3f}" for v in r)  # the spread, as rendered
     return list(rows.values())
 
 
@@ -234,9 +236,36 @@ def _cell(row: dict[str, Any] | None, versus: dict[str, Any] | None = None) -> s
     return text
 
 
+def _clock_change(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """``a``'s step time over ``b``'s, minus one: the median over rounds of the two measured in
+    the same round (a round's level 0 moves every ratio of that round alike), or the medians'
+    ratio where a row keeps no rounds."""
+    if a.get("time_rounds") and b.get("time_rounds"):
+        pairs = zip(a["time_rounds"].split(), b["time_rounds"].split(), strict=True)
+        return statistics.median(float(x) / float(y) for x, y in pairs) - 1
+    return a["time_ratio"] / b["time_ratio"] - 1
+
+
+def _reaching(by: dict[str, dict[str, Any]], preset: dict[str, Any]) -> str:
+    """The lowest derived level whose peak is within 10% of ``preset``'s: its peak over the
+    preset's, and its clock and modelled time over the preset's (the preset's point read as a
+    point of the curve, whatever level number the derivation gave it)."""
+    for v in sorted(v for v in by if v.startswith("D")):
+        d = by[v]
+        if d["peak_mb"] <= 1.10 * preset["peak_mb"]:
+            clock = _clock_change(d, preset)
+            modelled = d["modelled_ratio"] / preset["modelled_ratio"] - 1
+            return (
+                f"{v}: {d['peak_mb'] / preset['peak_mb']:.2f}x, {clock:+.0%} clock, "
+                f"{modelled:+.0%} modelled"
+            )
+    return "none"
+
+
 def summary(rows: list[dict[str, Any]]) -> str:
-    """Two markdown tables: derived levels 2, 3 and top against the bundled preset's (peak
-    MiB, time and FLOPs against level 0, and the derived peak over the preset's); and, for
+    """Three markdown tables: derived levels 2, 3 and top against the bundled preset's (peak
+    MiB, time and FLOPs against level 0, and the derived peak over the preset's); each of
+    those preset levels against the lowest derived level within 10% of its peak; and, for
     models with no preset, the derived top against the library's switch and the structural
     fallback's top, with the cheapest derived level at or under half of level 0's peak."""
     models: dict[str, dict[str, dict[str, Any]]] = {}
@@ -246,6 +275,10 @@ def summary(rows: list[dict[str, Any]]) -> str:
         "| model | L0 | derived L2 / preset L2 | derived L3 / preset L3 | "
         "derived top / preset top |",
         "|---|---|---|---|---|",
+    ]
+    points = [
+        "| model | preset L2 | preset L3 | preset top |",
+        "|---|---|---|---|",
     ]
     bare = [
         "| model | L0 | derived top | own switch | fallback top | derived top / own | "
@@ -260,6 +293,10 @@ def summary(rows: list[dict[str, Any]]) -> str:
                 d, p = _level_of(by, "D", k), _level_of(by, "P", k)
                 cells.append(f"{_cell(d, p)} / {_cell(p)}")
             out.append("| " + " | ".join(cells) + " |")
+            presets = [_level_of(by, "P", k) for k in (2, 3, 5)]
+            points.append(
+                f"| {model} | " + " | ".join(_reaching(by, p) if p else "-" for p in presets) + " |"
+            )
             continue
         own = by.get("own") or by.get("timm")
         fallback = next((r for v, r in by.items() if v.startswith("F")), None)
@@ -281,6 +318,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
     tables = []
     if len(out) > 2:
         tables.append("\n".join(out))
+        tables.append("\n".join(points))
     if len(bare) > 2:
         tables.append("\n".join(bare))
     return "\n\n".join(tables)
