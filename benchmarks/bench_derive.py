@@ -288,15 +288,13 @@ def summary(rows: list[dict[str, Any]]) -> str:
     for model, by in models.items():
         derived_top = _level_of(by, "D", 5)
         if any(v.startswith("P") for v in by):
-            cells = [model, f"{by['L0']['peak_mb']:.0f}"]
+            cells, reached = [model, f"{by['L0']['peak_mb']:.0f}"], [model]
             for k in (2, 3, 5):
                 d, p = _level_of(by, "D", k), _level_of(by, "P", k)
                 cells.append(f"{_cell(d, p)} / {_cell(p)}")
+                reached.append(_reaching(by, p) if p else "-")
             out.append("| " + " | ".join(cells) + " |")
-            presets = [_level_of(by, "P", k) for k in (2, 3, 5)]
-            points.append(
-                f"| {model} | " + " | ".join(_reaching(by, p) if p else "-" for p in presets) + " |"
-            )
+            points.append("| " + " | ".join(reached) + " |")
             continue
         own = by.get("own") or by.get("timm")
         fallback = next((r for v, r in by.items() if v.startswith("F")), None)
