@@ -14,6 +14,7 @@ import torch
 from timm.layers import Mlp
 from torch import nn
 
+import vision_ckpt
 from vision_ckpt._spans import Span, trace_spans
 from vision_ckpt.apply import apply, plan
 
@@ -233,3 +234,69 @@ def test_traced_rules_train_exactly_on_timm(
     counted = op_counter()
     assert_exact(_step(model, x, counted), ref)
     assert _ops(counted) > _ops(plain)
+
+
+class _SizedAttention(nn.Module):
+    """A layer called with its input and a tuple of sizes, as PVT-v2's and Twins' are."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        return self.proj(x) * (size[0] / size[1])
+
+
+class _SizedBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn = _SizedAttention(width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.attn(self.norm(x), (4, 2)))
+
+
+class _Heads(nn.Module):
+    """A list of blocks called in order, each on its own slice: no chain (EfficientViT-MSRA's
+    per-head convolutions)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = x.chunk(3, dim=0)
+        return torch.cat([head(p) for head, p in zip(self.heads, parts, strict=True)])
+
+
+def test_a_run_holds_no_call_whose_other_arguments_it_cannot_pass_again() -> None:
+    # the replay of a run passes a member's further arguments again only if they are tensors
+    # or plain values; a tuple of sizes would end the installed run there, with a warning
+    spans = trace_spans(_SizedBlock(8), torch.randn(2, 5, 8))
+    runs = [s for s in spans if s.kind == "run"]
+    assert all("attn" not in s.members for s in runs), [s.label for s in runs]
+    assert "attn" in {s.name for s in spans if s.kind == "module"}
+
+
+def test_a_list_of_blocks_that_do_not_chain_is_no_groups() -> None:
+    # `segments` runs its groups as runs: blocks each fed their own slice cannot be one
+    spans = trace_spans(_Heads(8), torch.randn(6, 8))
+    assert {s.name for s in spans if s.kind == "block"} == {"heads.0", "heads.1", "heads.2"}
+    assert [s for s in spans if s.kind == "groups"] == []
+
+
+def test_traced_attention_with_sizes_derives_without_a_broken_run(recwarn) -> None:
+    # PVT-v2 calls its attention with the feature map's size: before, a derived run through it
+    # stopped at that call on every step, warning each time
+    torch.manual_seed(0)
+    model = timm.create_model("pvt_v2_b0", pretrained=False, num_classes=10)
+    found = vision_ckpt.derive_preset(model, torch.randn(2, 3, 64, 64), 8, floor=False)
+    for level in range(1, 6):
+        m = copy.deepcopy(model)
+        apply(m, found.config(level))
+        m(torch.randn(2, 3, 64, 64)).sum().backward()
+    assert not [w for w in recwarn if "ended after" in str(w.message)]

@@ -30,7 +30,10 @@ a rule of the config vocabulary (:meth:`Span.rule`):
 #    call of that parent in between;
 # 2. each member's first positional tensor argument is the previous member's output: the same
 #    tensor, or a tensor with the same storage, offset, shape and strides (an in-place
-#    activation returns its input);
+#    activation returns its input); and every member's other positional arguments, the
+#    first member's too, are values a run's replay can pass again (tensors, None, bool, int,
+#    float, str; not a tuple of sizes, as PVT-v2's and Twins' attention take), or the
+#    installed run stops at that member;
 # 3. the members are exactly the children the parent registered from the first through the
 #    last, in that order (``through`` names a range of registered children).
 #
@@ -39,10 +42,12 @@ a rule of the config vocabulary (:meth:`Span.rule`):
 # then refuses the backward), and an identity is no region worth its bookkeeping.
 #
 # Members of a repeated sequence and stages take no part in runs: a sequence of layers is
-# expressed by ``segments``, and a run through a stage is the trunk, not a piece of it. Every
-# maximal run is cut there; every contiguous part of two or more calls of what remains is a
-# candidate, except one that is its parent module again (all the parent's calls, from the
-# parent's input to its output).
+# expressed by ``segments``, which runs its groups as runs, so a container is offered as groups
+# only where its members meet condition 2 too (EfficientViT-MSRA's per-head convolutions,
+# each fed its own slice, are called in order but are no chain), and a run through a stage is
+# the trunk, not a piece of it. Every maximal run is cut there; every contiguous part of two or
+# more calls of what remains is a candidate, except one that is its parent module again (all
+# the parent's calls, from the parent's input to its output).
 """
 
 from __future__ import annotations
@@ -113,6 +118,9 @@ class _Call:
     inputs: set[tuple[Any, ...]] = field(default_factory=set)
     output: tuple[Any, ...] | None = None
     """Identity of the output, when it is one tensor."""
+    passable: bool = True
+    """Whether its positional arguments after the first could be passed again by a run's
+    replay (NOTE [ Runs found by tracing ], 2)."""
 
 
 def _key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -122,6 +130,16 @@ def _key(t: torch.Tensor) -> tuple[Any, ...]:
 
 def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
     return args[0] if args and isinstance(args[0], torch.Tensor) else None
+
+
+# what a run's replay passes again beside the previous member's output (as _install decides)
+_PASSABLE = (type(None), bool, int, float, str, torch.Tensor)
+
+
+def _follows(call: _Call, previous: _Call) -> bool:
+    """Whether ``call`` can come after ``previous`` in a run (NOTE [ Runs found by tracing ],
+    2): it takes ``previous``'s output first, and nothing a replay cannot pass again."""
+    return call.first is not None and call.first == previous.output and call.passable
 
 
 def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
@@ -142,6 +160,7 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
             module,
             stack[-1] if stack else None,
             None if first is None else _key(first),
+            passable=all(isinstance(a, _PASSABLE) for a in args[1:]),
         )
         for t in tree_leaves(args):
             if isinstance(t, torch.Tensor):
@@ -236,12 +255,12 @@ def _runs(calls: list[_Call], excluded: set[str]) -> Iterator[list[_Call]]:
         segments: list[list[_Call]] = []
         for call in children:
             direct = call.name.startswith(prefix) and "." not in call.name[len(prefix) :]
-            ok = direct and call.name not in excluded
+            ok = direct and call.name not in excluded and call.passable
             if not ok:
                 segments.append(segment)
                 segment = []
                 continue
-            if segment and (call.first is None or call.first != segment[-1].output):
+            if segment and not _follows(call, segment[-1]):
                 segments.append(segment)
                 segment = []
             segment.append(call)
@@ -302,7 +321,9 @@ def trace_spans(model: nn.Module, example_input: Any) -> list[Span]:
         for m in members:
             spans.append(Span("block", m, (m,), first_call[m]))
         stackable = isinstance(module, (nn.Sequential, nn.ModuleList))  # what segments split
-        if stackable and len(members) == len(module._modules) and len(members) >= 3:
+        member_calls = [calls[first_call[m]] for m in members]
+        chained = all(_follows(b, a) for a, b in zip(member_calls, member_calls[1:], strict=False))
+        if stackable and chained and len(members) == len(module._modules) and len(members) >= 3:
             spans.append(Span("groups", container, tuple(members), first_call[members[0]]))
         # the stage: the container, or for a list nobody calls, the module holding it
         holder = container if container in first_call else container.rpartition(".")[0]
