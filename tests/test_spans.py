@@ -300,3 +300,24 @@ def test_traced_attention_with_sizes_derives_without_a_broken_run(recwarn) -> No
         apply(m, found.config(level))
         m(torch.randn(2, 3, 64, 64)).sum().backward()
     assert not [w for w in recwarn if "ended after" in str(w.message)]
+
+
+class _Mixing(nn.Module):
+    """Two timm MLPs, one across channels and one across tokens on a transposed view, as
+    MLP-Mixer's are."""
+
+    def __init__(self, tokens: int, width: int) -> None:
+        super().__init__()
+        self.channels = Mlp(width, 2 * width)
+        self.tokens = Mlp(tokens, 2 * tokens)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.tokens(x.transpose(1, 2)).transpose(1, 2)
+        return x + self.channels(x)
+
+
+def test_an_mlp_called_on_a_transposed_input_is_not_offered_lean() -> None:
+    # the lean backward computes on its input as one matrix: on a transposed view it would run
+    # the MLP's own forward instead, warning on every step
+    spans = trace_spans(_Mixing(6, 8), torch.randn(2, 6, 8))
+    assert {s.name for s in spans if s.kind == "lean"} == {"channels"}

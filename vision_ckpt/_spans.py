@@ -14,11 +14,12 @@ a rule of the config vocabulary (:meth:`Span.rule`):
 - ``block``: a member of a repeated sequence, consecutive children of an ``nn.Sequential`` or
   ``nn.ModuleList`` (or all the children of another module, a stage class) of one structure,
   each with children of its own, called one after another;
-- ``groups``: a container all of whose children form such a sequence, as groups of about
-  sqrt(n) of them: ``segments: auto``;
+- ``groups``: a container all of whose children form such a sequence, each taking the
+  previous one's output, as groups of about sqrt(n) of them: ``segments: auto``;
 - ``stage``: what holds a repeated sequence: the module itself, or for an ``nn.ModuleList``
   (which has no forward) the module holding it; never the model itself;
-- ``lean``: a module that can run with the lean MLP backward (``_lean.lean_mlp_problem``).
+- ``lean``: a module that can run with the lean MLP backward (``_lean.lean_mlp_problem``), on
+  the contiguous input it was called with.
 
 # NOTE [ Runs found by tracing ]
 #
@@ -121,6 +122,8 @@ class _Call:
     passable: bool = True
     """Whether its positional arguments after the first could be passed again by a run's
     replay (NOTE [ Runs found by tracing ], 2)."""
+    contiguous: bool = False
+    """Whether its first positional argument was a contiguous tensor (a lean MLP needs one)."""
 
 
 def _key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -161,6 +164,7 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
             stack[-1] if stack else None,
             None if first is None else _key(first),
             passable=all(isinstance(a, _PASSABLE) for a in args[1:]),
+            contiguous=first is not None and first.is_contiguous(),
         )
         for t in tree_leaves(args):
             if isinstance(t, torch.Tensor):
@@ -337,7 +341,9 @@ def trace_spans(model: nn.Module, example_input: Any) -> list[Span]:
         if call.name and ("module", call.name) not in seen:
             seen.add(("module", call.name))
             spans.append(Span("module", call.name, (call.name,), call.index))
-            if lean_mlp_problem(call.module) is None:
+            # a lean MLP computes on its input as one matrix: a transposed input (MLP-Mixer's
+            # token MLPs) would make it run its own forward, warning on every step
+            if lean_mlp_problem(call.module) is None and call.contiguous:
                 spans.append(Span("lean", call.name, (call.name,), call.index))
     for run in _runs(calls, excluded):
         names = tuple(c.name for c in run)
