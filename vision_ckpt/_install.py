@@ -23,6 +23,7 @@ from .errors import CheckpointError, ConfigError
 from .wrapper import ChainCall, Policy, compile_note, lean_now, run_policy, run_segments
 
 __all__ = [
+    "passable",
     "CheckpointedForward",
     "ChainedForward",
     "Chain",
@@ -155,7 +156,7 @@ class CheckpointedForward:
 _PASSABLE = (type(None), bool, int, float, str, torch.Tensor)
 
 
-def _passable(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def passable(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a run's replay may pass these arguments (after the previous member's output)
     again: immutable plain values (``is_causal=False``) and tensors (a rotary embedding, an
     attention mask), not containers or objects."""
@@ -309,7 +310,7 @@ class ChainedForward(CheckpointedForward):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         chain = self.chain
-        one = args[0] if args and _passable(args[1:], kwargs) else None
+        one = args[0] if args and passable(args[1:], kwargs) else None
         if self.index == 0:
             chain.close()  # a run the parent left unfinished (another branch, an exception)
             module = self.run.module

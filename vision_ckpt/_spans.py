@@ -61,6 +61,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ._install import passable
 from ._lean import lean_mlp_problem
 from ._measure import model_restored
 
@@ -135,10 +136,6 @@ def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
     return args[0] if args and isinstance(args[0], torch.Tensor) else None
 
 
-# what a run's replay passes again beside the previous member's output (as _install decides)
-_PASSABLE = (type(None), bool, int, float, str, torch.Tensor)
-
-
 def _follows(call: _Call, previous: _Call) -> bool:
     """Whether ``call`` can come after ``previous`` in a run (NOTE [ Runs found by tracing ],
     2): it takes ``previous``'s output first, and nothing a replay cannot pass again."""
@@ -163,7 +160,7 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
             module,
             stack[-1] if stack else None,
             None if first is None else _key(first),
-            passable=all(isinstance(a, _PASSABLE) for a in args[1:]),
+            passable=passable(args[1:], {}),  # a global hook sees no keyword arguments
             contiguous=first is not None and first.is_contiguous(),
         )
         for t in tree_leaves(args):
