@@ -120,7 +120,7 @@ class _Call:
     inputs: set[tuple[Any, ...]] = field(default_factory=set)
     output: tuple[Any, ...] | None = None
     """Identity of the output, when it is one tensor."""
-    passable: bool = True
+    replayable: bool = True
     """Whether its positional arguments after the first could be passed again by a run's
     replay (NOTE [ Runs found by tracing ], 2)."""
     contiguous: bool = False
@@ -139,7 +139,7 @@ def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
 def _follows(call: _Call, previous: _Call) -> bool:
     """Whether ``call`` can come after ``previous`` in a run (NOTE [ Runs found by tracing ],
     2): it takes ``previous``'s output first, and nothing a replay cannot pass again."""
-    return call.first is not None and call.first == previous.output and call.passable
+    return call.first is not None and call.first == previous.output and call.replayable
 
 
 def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
@@ -160,7 +160,7 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
             module,
             stack[-1] if stack else None,
             None if first is None else _key(first),
-            passable=passable(args[1:], {}),  # a global hook sees no keyword arguments
+            replayable=passable(args[1:], {}),  # a global hook sees no keyword arguments
             contiguous=first is not None and first.is_contiguous(),
         )
         for t in tree_leaves(args):
@@ -256,7 +256,7 @@ def _runs(calls: list[_Call], excluded: set[str]) -> Iterator[list[_Call]]:
         segments: list[list[_Call]] = []
         for call in children:
             direct = call.name.startswith(prefix) and "." not in call.name[len(prefix) :]
-            ok = direct and call.name not in excluded and call.passable
+            ok = direct and call.name not in excluded and call.replayable
             if not ok:
                 segments.append(segment)
                 segment = []
