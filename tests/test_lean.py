@@ -8,12 +8,14 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from functools import partial
 
 import pytest
 import timm
 import torch
 import torch.nn.utils.prune
-from timm.layers import Mlp
+from timm.layers import GELUTanh, Mlp
+from timm.models.metaformer import StarReLU
 from torch import nn
 
 import vision_ckpt
@@ -98,6 +100,77 @@ def test_lean_mlp_keeps_and_peaks_one_hidden_tensor_lower():
     assert lean_peak <= 2.55 * hidden, lean_peak / hidden
 
 
+def _star(**kwargs) -> nn.Module:
+    """A StarReLU with a scale and a bias away from 1 and 0, so a lost factor shows."""
+    act = StarReLU(**kwargs)
+    with torch.no_grad():
+        act.scale.fill_(0.8)
+        act.bias.fill_(-0.1)
+    return act
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape"),
+    [
+        ({"use_conv": True}, (3, 16, 11, 13)),
+        ({"use_conv": True, "bias": False, "act_layer": _star}, (3, 16, 11, 13)),
+        ({"use_conv": True, "bias": (False, True), "act_layer": GELUTanh}, (2, 16, 8, 8)),
+        ({"bias": False}, (3, 7, 16)),
+        ({"bias": False, "act_layer": _star}, (2, 5, 5, 16)),
+        ({"act_layer": partial(_star, scale_learnable=False)}, (37, 16)),
+    ],
+    ids=[
+        "conv",
+        "conv, no bias, StarReLU",
+        "conv, one bias, tanh GELU",
+        "linear, no bias",
+        "linear, no bias, StarReLU, NHWC",
+        "linear, StarReLU with a fixed scale",
+    ],
+)
+def test_every_mlp_layout_lean_takes_is_exact(layout, shape, assert_exact, exact_step):
+    """Pointwise convolutions (MetaFormer's, CAFormer's), layers without biases and StarReLU
+    with its learnable scale and bias: every gradient equals the plain MLP's bit for bit."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(Mlp(16, 64, **layout)).train()
+    x = torch.randn(*shape)
+    want = exact_step(plain, x)
+    lean = _lean(copy.deepcopy(plain))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it takes the lean path
+        got = exact_step(lean, x)
+    assert_exact(got, want, f"lean {layout}")
+
+
+def test_a_conv_mlp_with_star_relu_peaks_below_autograds():
+    """CAFormer's MLP layout (1x1 convs without biases, StarReLU) on 64x64 pixels of 16
+    channels, a hidden tensor H of 1 MiB: plain autograd keeps three hidden tensors and its
+    backward holds five at once; lean keeps one (fc1's output) and holds three."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(Mlp(16, 64, use_conv=True, bias=False, act_layer=_star)).train()
+    x = torch.randn(1, 16, 64, 64, requires_grad=True)
+    hidden = 64 * 64 * 64 * 4
+    plain_kept, plain_peak = _backward_peak(mlp, x)
+    _lean(mlp)
+    lean_kept, lean_peak = _backward_peak(mlp, x)
+    assert plain_kept - lean_kept == 2 * hidden
+    assert plain_peak >= 5 * hidden
+    assert lean_peak <= 3.3 * hidden, lean_peak / hidden
+
+
+def test_star_relu_under_autocast_runs_its_own_forward(assert_exact):
+    """Autocast computes StarReLU's square in float32 between two low-precision convs."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(Mlp(16, 64, use_conv=True, act_layer=_star)).train()
+    lean = _lean(copy.deepcopy(plain))
+    x = torch.randn(2, 16, 6, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = plain(x)
+        with pytest.warns(UserWarning, match=r"runs its own forward.*StarReLU's square"):
+            got = lean(x)
+    assert_exact(got, want, "under autocast")
+
+
 def test_lean_leaves_the_model_as_it_was():
     model = _vit()
     names = list(model.state_dict())
@@ -153,7 +226,9 @@ def test_an_mlp_with_dropout_inside_is_an_error_for_a_rule_and_left_out_by_a_pre
     scratch_preset,
 ):
     model = _vit(proj_drop_rate=0.1)
-    with pytest.raises(ConfigError, match=r"its drop1 drops \(p=0.1\) between GELU and fc2"):
+    with pytest.raises(
+        ConfigError, match=r"its drop1 drops \(p=0.1\) between the activation and fc2"
+    ):
         vision_ckpt.plan(model, {"training_checkpoint_level": 1, "rules": [LEAN]})
     preset = scratch_preset("vit_like")
     plan = vision_ckpt.plan(model, {"training_checkpoint_level": 5, "preset": preset})
@@ -224,7 +299,7 @@ def test_torch_func_transforms_run_the_mlps_own_forward(assert_exact):
             ),
             "a weight is not contiguous",
         ),
-        (lambda m: setattr(m[0], "act", nn.ReLU()), "its act is a ReLU, not a GELU"),
+        (lambda m: setattr(m[0], "act", nn.ReLU()), "its act is a ReLU, not a GELU or a StarReLU"),
         (
             lambda m: torch.nn.utils.prune.l1_unstructured(m[0].fc1, "weight", 0.5),
             r"its fc1 has hooks \(pruning",
@@ -283,3 +358,122 @@ def test_autocast_with_a_low_precision_input_stays_lean_and_exact(assert_exact):
         out.float().sum().backward()
         results.append((out.detach(), [xi.grad, *(p.grad for p in m.parameters())]))
     assert_exact(results[1], results[0], "with a bf16 input under autocast")
+
+
+class _ConvMlp(nn.Module):
+    """An MLP of its own class, laid out as Hugging Face's PoolFormer output: one drop module
+    called twice, registered in another order than it is called."""
+
+    def __init__(self, drop: float = 0.0) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(8, 32, 1)
+        self.conv2 = nn.Conv2d(32, 8, 1)
+        self.drop = nn.Dropout(drop)
+        self.act_fn = nn.GELU()
+
+    def forward(self, x):
+        return self.drop(self.conv2(self.drop(self.act_fn(self.conv1(x)))))
+
+
+class _Residual(_ConvMlp):
+    def forward(self, x):
+        return x + self.conv2(self.act_fn(self.conv1(x)))
+
+
+class _Scaled(_ConvMlp):
+    def forward(self, x):
+        hidden = self.conv1(x)
+        hidden.mul_(2.0)
+        return self.conv2(self.act_fn(hidden))
+
+
+def _wrapped(mlp: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(mlp).train()
+
+
+@pytest.mark.parametrize(
+    "mlp",
+    [
+        lambda: nn.Sequential(nn.Conv2d(8, 32, 1), nn.GELU(), nn.Conv2d(32, 8, 1), nn.Dropout(0.3)),
+        lambda: nn.Sequential(nn.Linear(8, 32, bias=False), GELUTanh(), nn.Linear(32, 8)),
+        _ConvMlp,
+    ],
+    ids=["Sequential, dropout after", "Sequential, linear", "own class"],
+)
+def test_an_mlp_of_any_class_found_by_its_forward_is_lean_and_exact(mlp, assert_exact, exact_step):
+    plain = _wrapped(mlp())
+    linear = any(isinstance(m, nn.Linear) for m in plain.modules())
+    x = torch.randn(3, 4, 8) if linear else torch.randn(2, 8, 5, 5)
+    lean = _lean(copy.deepcopy(plain))
+    assert "lean@1" in repr(lean[0].forward)
+    want = exact_step(plain, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it takes the lean path, dropout after it included
+        got = exact_step(lean, x)
+    assert_exact(got, want, "an MLP found by its forward")
+
+
+@pytest.mark.parametrize(
+    ("mlp", "message"),
+    [
+        (_Residual, r"probed, does not call .*: it did not return the last call's output"),
+        (_Scaled, r"probed, does not call .*: call 2 \(GELU\) did not take the previous output"),
+        (
+            lambda: _ConvMlp(drop=0.1),
+            r"its drop \(Dropout\) ran between the activation and the second layer",
+        ),
+        (
+            lambda: nn.Sequential(nn.Conv2d(8, 32, 3), nn.GELU(), nn.Conv2d(32, 8, 1)),
+            r"its 0 is a Conv2d that is not pointwise",
+        ),
+        (
+            lambda: nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)),
+            r"it is a Sequential, not a timm Mlp, and not a module whose children are two",
+        ),
+    ],
+    ids=["residual inside", "changed in place", "dropout between", "3x3 conv", "ReLU"],
+)
+def test_a_module_whose_forward_is_no_lean_chain_is_an_error_that_says_why(mlp, message):
+    with pytest.raises(ConfigError, match=message):
+        _lean(_wrapped(mlp()))
+
+
+def test_the_probe_changes_neither_the_random_state_nor_the_modes():
+    model = _wrapped(_ConvMlp(drop=0.2)).eval()
+    model[0].drop.p = 0.0
+    state = torch.random.get_rng_state()
+    _lean(model)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert not any(m.training for m in model.modules())
+
+
+def test_a_dropout_switched_on_after_planning_is_seen_and_runs_the_own_forward(
+    assert_exact, exact_step
+):
+    """NOTE [ MLPs of any class ]: a changed attribute probes the module again."""
+    plain = _wrapped(_ConvMlp())
+    lean = _lean(copy.deepcopy(plain))
+    x = torch.randn(2, 8, 5, 5)
+    exact_step(lean, x)
+    plain[0].drop.p = lean[0].drop.p = 0.3
+    want = exact_step(plain, x)
+    with pytest.warns(UserWarning, match=r"'0' runs its own forward.*its drop \(Dropout\) ran"):
+        got = exact_step(lean, x)
+    assert_exact(got, want, "with dropout between the layers")
+
+
+def test_hugging_face_poolformer_outputs_are_lean_and_exact(assert_exact, exact_step):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.PoolFormerConfig(depths=[1, 1, 2, 1], hidden_sizes=[16, 32, 48, 64])
+    model = transformers.PoolFormerForImageClassification(config).train()
+    x = torch.randn(2, 3, 64, 64)
+    want = exact_step(model, x)
+    rules = [{"match": "poolformer.encoder.block.*.*.output", "level": 1, "lean": True}]
+    plan = vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": rules})
+    assert sum(e.lean is not None for e in plan) == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = exact_step(model, x)
+    assert_exact(got, want, "PoolFormer's outputs lean")

@@ -5,7 +5,10 @@ Knows nothing of levels; :mod:`vision_ckpt._install` decides when a module runs 
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -13,96 +16,231 @@ from torch import nn
 
 from .errors import CheckpointError
 
-__all__ = ["lean_mlp_problem", "lean_mlp_forward"]
+__all__ = ["lean_mlp_problem", "lean_mlp_call_problem", "lean_mlp_forward"]
 
 # NOTE [ Lean MLP ]
-# Autograd runs the backward of fc1 -> GELU -> fc2 holding three hidden-size tensors at once:
-# fc1's output (for GELU's gradient), GELU's output (for fc2's weight gradient) and the
-# gradient of GELU's output; and then the gradient of fc1's output beside the first and the
-# third. On a recomputed transformer or ConvNeXt block that moment is the step's peak.
-# _LeanMlp keeps fc1's input and output from forward (not GELU's output); its backward rebuilds
-# GELU's output, takes fc2's weight gradient from it and frees it before fc2's input gradient
-# exists, then writes GELU's gradient over that input gradient in place: two hidden-size
-# tensors at most, for one GELU recomputed. Invariant: every value is made by the operator
-# autograd itself uses for F.linear on a contiguous input with a bias (an addmm on the input
-# flattened to rows, whose backward is grad.mm(weight), grad.t().mm(input) and a sum over
-# rows), on the same shapes and layouts, so outputs and gradients equal the plain MLP's bit for
-# bit. Under autocast the five tensors are cast to its dtype first, as autocast casts them for
-# each linear (GELU is on none of its lists). A second derivative (create_graph=True) is an
-# error: this backward is not differentiable, and the plain graph's second derivatives, rebuilt,
-# would be summed in another order. Anything else (a strided input or weight, a tensor
-# subclass or torch.func transform, dropout between GELU and fc2, hooks on the layers, a module
-# changed since planning) runs the module's own forward, and lean_mlp_forward says why.
+# Autograd runs the backward of layer1 -> act -> layer2 holding three hidden-size tensors at
+# once: layer1's output (for the activation's gradient), the activation's output (for layer2's
+# weight gradient) and the gradient of the activation's output; then the activation's own
+# gradient formula adds its temporaries (StarReLU's s*relu(h)**2+b: four more). On a recomputed
+# transformer, ConvNeXt or MetaFormer block that moment is the step's peak. _LeanMlp keeps
+# layer1's input and output from forward (not the activation's output); its backward rebuilds
+# the activation, takes layer2's weight gradient from it and frees it before layer2's input
+# gradient exists, then turns that input gradient into layer1's output gradient in place: two
+# hidden-size tensors at most (three for StarReLU), for one activation recomputed.
+# Invariant: every value is made by the operator autograd itself uses, on the same shapes and
+# layouts, so outputs and gradients equal the plain MLP's bit for bit:
+# - a linear layer on a contiguous input is a product on the input flattened to rows, whose
+#   backward is grad.mm(weight), grad.t().mm(input) and a sum over rows;
+# - a pointwise Conv2d (1x1, stride 1, no padding, one group) backs through
+#   aten.convolution_backward, asked for the weight and bias gradients and then, apart, for
+#   the input gradient (each output of that operator is computed on its own);
+# - GELU backs through aten.gelu_backward; StarReLU through the formulas autograd records for
+#   mul, pow and relu, taken in place (an elementwise operator gives the same value in place),
+#   its scale's and bias's gradients reduced by the sum_to the engine applies.
+# Under autocast the tensors are cast to its dtype first, as autocast casts them for each layer
+# (GELU is on none of its lists; StarReLU's pow is, so a StarReLU MLP runs plainly there). A
+# second derivative (create_graph=True) is an error: this backward is not differentiable, and
+# the plain graph's second derivatives, rebuilt, would be summed in another order. Anything else
+# (a strided input or weight, a tensor subclass or torch.func transform, dropout between the
+# activation and layer2, hooks on the layers, a module changed since planning) runs the
+# module's own forward, and lean_mlp_forward says why.
+
+_Kind = Literal["linear", "conv"]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The static shape of a lean MLP: its layers' kinds and its activation."""
+
+    first: _Kind
+    second: _Kind
+    act: str
+    """``gelu:none``, ``gelu:tanh`` or ``star``."""
+    biases: tuple[bool, bool]
+
+
+def _layer(kind: _Kind, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b) if kind == "linear" else F.conv2d(x, w, b)
+
+
+def _conv_backward(
+    grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: bool, mask: list[bool]
+) -> tuple[torch.Tensor | None, ...]:
+    sizes = [w.shape[0]] if bias else None
+    return torch.ops.aten.convolution_backward(
+        grad, x, w, sizes, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, mask
+    )
+
+
+def _weight_grads(
+    kind: _Kind, grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: bool, need: tuple
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of a layer's weight and bias (``need``: which), given its input ``x``."""
+    need_w, need_b = need[0], need[1] and bias
+    if kind == "conv":
+        _, gw, gb = _conv_backward(grad, x, w, bias, [False, need_w, need_b])
+        return gw, gb
+    rows = grad.reshape(-1, grad.shape[-1])
+    gw = rows.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None
+    return gw, rows.sum(0) if need_b else None
+
+
+def _input_grad(
+    kind: _Kind, grad: torch.Tensor, like: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of a layer's input; ``like`` has the input's shape and layout (its values
+    are not read)."""
+    if kind == "conv":
+        return _conv_backward(grad, like, w, False, [True, False, False])[0]
+    return grad.reshape(-1, grad.shape[-1]).mm(w).view(like.shape)
+
+
+def _act(act: str, hidden: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The activation as the plain module computes it."""
+    if act == "star":
+        scale, bias = params
+        return scale * F.relu(hidden) ** 2 + bias
+    return F.gelu(hidden, approximate=act.partition(":")[2])
+
+
+def _act_again(act: str, hidden: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """:func:`_act`'s values, in one new tensor (StarReLU's steps in place)."""
+    if act != "star":
+        return _act(act, hidden, params)
+    scale, bias = params
+    out = F.relu(hidden)
+    return out.pow_(2).mul_(scale).add_(bias)
+
+
+def _act_backward_(
+    act: str, grad: torch.Tensor, hidden: torch.Tensor, params: tuple, need: tuple
+) -> tuple[torch.Tensor | None, ...]:
+    """Turns ``grad`` (of the activation's output) into the gradient of ``hidden`` in place;
+    returns its parameters' gradients."""
+    if act != "star":
+        torch.ops.aten.gelu_backward.grad_input(
+            grad, hidden, approximate=act.partition(":")[2], grad_input=grad
+        )
+        return ()
+    scale, bias = params
+    grad_bias = grad.sum_to_size(bias.shape) if need[1] else None  # add: grad, reduced
+    grad_scale = None
+    if need[0]:  # mul: grad * relu(h)**2, reduced
+        square = F.relu(hidden).pow_(2).mul_(grad)
+        grad_scale = square.sum_to_size(scale.shape)
+        del square
+    grad.mul_(scale)  # mul: grad * scale
+    twice = F.relu(hidden).mul_(2.0)  # pow: grad * (2.0 * relu(h).pow(1.0))
+    grad.mul_(twice)
+    # relu: zero where relu's result is not above 0, as where twice it is not
+    torch.ops.aten.threshold_backward.grad_input(grad, twice, 0, grad_input=grad)
+    return grad_scale, grad_bias
 
 
 class _LeanMlp(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
+        spec: _Spec,
         x: torch.Tensor,
         w1: torch.Tensor,
-        b1: torch.Tensor,
+        b1: torch.Tensor | None,
         w2: torch.Tensor,
-        b2: torch.Tensor,
-        approximate: str,
+        b2: torch.Tensor | None,
+        *params: torch.Tensor,
     ) -> torch.Tensor:
-        hidden = F.linear(x, w1, b1)
-        out = F.linear(F.gelu(hidden, approximate=approximate), w2, b2)
-        ctx.save_for_backward(x, hidden, w1, w2)
-        ctx.approximate = approximate
+        hidden = _layer(spec.first, x, w1, b1)
+        out = _layer(spec.second, _act(spec.act, hidden, params), w2, b2)
+        ctx.save_for_backward(x, hidden, w1, w2, *params)
+        ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, hidden, w1, w2 = ctx.saved_tensors
-        need = ctx.needs_input_grad
+        x, hidden, w1, w2, *params = ctx.saved_tensors
+        spec: _Spec = ctx.spec
+        need = ctx.needs_input_grad  # spec, x, w1, b1, w2, b2, *params
         if torch.is_grad_enabled():
             raise CheckpointError(
                 "a lean MLP's backward ran with create_graph=True (for a second derivative, a "
-                "gradient penalty): it takes GELU's gradient in place and is not itself "
-                "differentiable. Take the lean level away for such training, with a "
+                "gradient penalty): it takes the activation's gradient in place and is not "
+                "itself differentiable. Take the lean level away for such training, with a "
                 "rule {'match': '<the MLPs>', 'level': 0, 'lean': True} after the preset."
             )
-        grad = grad.reshape(-1, grad.shape[-1])
-        hidden = hidden.view(-1, hidden.shape[-1])
-        act = F.gelu(hidden, approximate=ctx.approximate)
-        grad_w2 = grad.t().mm(act) if need[3] else None
-        del act  # before the gradient of fc2's input exists (NOTE [ Lean MLP ])
-        grad_b2 = grad.sum(0) if need[4] else None
-        grad_hidden = grad.mm(w2)
+        act = _act_again(spec.act, hidden, tuple(params))
+        grad_w2, grad_b2 = _weight_grads(spec.second, grad, act, w2, spec.biases[1], need[4:6])
+        del act  # before the gradient of layer2's input exists (NOTE [ Lean MLP ])
+        grad_hidden = _input_grad(spec.second, grad, hidden, w2)
         del grad
-        torch.ops.aten.gelu_backward.grad_input(
-            grad_hidden, hidden, approximate=ctx.approximate, grad_input=grad_hidden
-        )
+        grad_params = _act_backward_(spec.act, grad_hidden, hidden, tuple(params), need[6:])
         del hidden
-        grad_w1 = grad_hidden.t().mm(x.reshape(-1, x.shape[-1])) if need[1] else None
-        grad_b1 = grad_hidden.sum(0) if need[2] else None
-        grad_x = grad_hidden.mm(w1).view(x.shape) if need[0] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+        grad_w1, grad_b1 = _weight_grads(spec.first, grad_hidden, x, w1, spec.biases[0], need[2:4])
+        grad_x = _input_grad(spec.first, grad_hidden, x, w1) if need[1] else None
+        return None, grad_x, grad_w1, grad_b1, grad_w2, grad_b2, *grad_params
 
 
-def _gelu_approximation(act: nn.Module) -> str | None:
-    """``none`` or ``tanh`` for a GELU module whose forward is exactly ``F.gelu``, else ``None``."""
+@dataclass(frozen=True)
+class _Parts:
+    """A recognised MLP: ``first -> act -> second``, then ``after`` (dropout) on the output."""
+
+    first: nn.Module
+    act: nn.Module
+    second: nn.Module
+    after: tuple[nn.Module, ...]
+    spec: _Spec
+
+
+_POINTWISE = ((1, 1), (1, 1), (0, 0), (1, 1), 1, "zeros")
+
+
+def _layer_kind(part: str, layer: nn.Module) -> _Kind | str:
+    """``linear`` or ``conv``, or why the layer cannot be one of a lean MLP."""
+    if type(layer) is nn.Linear:
+        return "linear"
+    if type(layer) is nn.Conv2d:
+        shape = (layer.kernel_size, layer.stride, layer.padding, layer.dilation)
+        if (*shape, layer.groups, layer.padding_mode) == _POINTWISE:
+            return "conv"
+        return (
+            f"its {part} is a Conv2d that is not pointwise (it must have a 1x1 kernel, stride "
+            "1, no padding, one group)"
+        )
+    return f"its {part} is a {type(layer).__name__}, not an nn.Linear or a pointwise nn.Conv2d"
+
+
+def _act_kind(act: nn.Module) -> str | None:
+    """``gelu:none``, ``gelu:tanh`` or ``star`` for an activation module whose forward is
+    exactly that function, else ``None``."""
     if type(act) is nn.GELU:
-        return act.approximate
+        return f"gelu:{act.approximate}"
     try:
         from timm.layers import activations
+        from timm.models.metaformer import StarReLU
     except ImportError:  # pragma: no cover - timm is a dependency
         return None
-    return {activations.GELU: "none", activations.GELUTanh: "tanh"}.get(type(act))
+    gelu = {activations.GELU: "gelu:none", activations.GELUTanh: "gelu:tanh"}.get(type(act))
+    if gelu is not None:
+        return gelu
+    if type(act) is StarReLU and type(act.relu) is nn.ReLU:
+        return "star"
+    hf = sys.modules.get("transformers.activations")  # imported when such a module exists
+    if hf is not None and type(act) is hf.GELUActivation and act.act is F.gelu:
+        return "gelu:none"
+    return None
 
 
-def lean_mlp_problem(module: nn.Module) -> str | None:
-    """Why ``module`` cannot run as a lean MLP, or ``None`` when it can: it must be a timm
-    ``Mlp`` (its own forward) with linear ``fc1``/``fc2`` with biases, a GELU ``act``, an
-    identity ``norm`` and no dropout between them (``drop1``).
+def _hooked(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
 
-    >>> from timm.layers import Mlp
-    >>> lean_mlp_problem(Mlp(8, 32)) is None
-    True
-    >>> lean_mlp_problem(nn.Linear(8, 8))
-    'it is a Linear, not a timm Mlp (fc1 -> act -> drop1 -> norm -> fc2 -> drop2)'
-    """
+
+def _timm_mlp(module: nn.Module) -> _Parts | str:
+    """The parts of a timm ``Mlp`` (its own forward), or why it has none a lean MLP takes."""
     try:
         from timm.layers import Mlp
     except ImportError:  # pragma: no cover - timm is a dependency
@@ -112,34 +250,225 @@ def lean_mlp_problem(module: nn.Module) -> str | None:
             f"it is a {type(module).__name__}, not a timm Mlp "
             "(fc1 -> act -> drop1 -> norm -> fc2 -> drop2)"
         )
+    kinds = []
     for part in ("fc1", "fc2"):
-        layer = getattr(module, part)
-        if type(layer) is not nn.Linear:
-            return f"its {part} is a {type(layer).__name__}, not an nn.Linear (use_conv=False)"
-        if layer.bias is None:
-            return f"its {part} has no bias"
-    if _gelu_approximation(module.act) is None:
-        return f"its act is a {type(module.act).__name__}, not a GELU"
+        kind = _layer_kind(part, getattr(module, part))
+        if kind not in ("linear", "conv"):
+            return kind
+        kinds.append(kind)
+    act = _act_kind(module.act)
+    if act is None:
+        return f"its act is a {type(module.act).__name__}, not a GELU or a StarReLU"
     if type(module.norm) is not nn.Identity:
         return f"its norm is a {type(module.norm).__name__}, not an Identity"
     drop1 = module.drop1
     if not isinstance(drop1, (nn.Dropout, nn.Identity)):
         return f"its drop1 is a {type(drop1).__name__}, not a Dropout"
     if isinstance(drop1, nn.Dropout) and drop1.p > 0:
-        return f"its drop1 drops (p={drop1.p}) between GELU and fc2"
+        return f"its drop1 drops (p={drop1.p}) between the activation and fc2"
     for part in ("fc1", "act", "drop1", "norm", "fc2"):
-        child = getattr(module, part)
-        if (
-            child._forward_hooks
-            or child._forward_pre_hooks
-            or child._backward_hooks
-            or child._backward_pre_hooks
-        ):
+        if any(_hooked(m) for m in getattr(module, part).modules()):
             return (
                 f"its {part} has hooks (pruning, weight_norm, a user's), which a lean MLP, "
                 "computing its layers itself, would not run"
             )
-    return None
+    fc1, fc2 = module.fc1, module.fc2
+    biases = (fc1.bias is not None, fc2.bias is not None)
+    spec = _Spec(kinds[0], kinds[1], act, biases)
+    return _Parts(fc1, module.act, fc2, (module.drop2,), spec)
+
+
+# NOTE [ MLPs of any class ]
+# A module of another class is a lean MLP when its forward is the chain a lean MLP computes,
+# found by a probe rather than by its class: its children are two layers, one activation (as
+# above) and parameterless leaves (dropouts, drop-paths, identities), and one forward on a small
+# input (no gradients, in training mode, the random state put back) calls, each on exactly the
+# previous output, unmodified and alone: the first layer on the module's input, the activation,
+# leaves that return their input itself, the second layer, then any modules, whose last output
+# the forward returns. The lean forward computes the chain to the second layer and calls the
+# modules after it itself. Invariant: a probe's verdict stands only while the module's
+# structure and its descendants' plain attributes (a drop probability, the training flag) are
+# those it was probed with; any change probes again, so a drop-path switched on between the
+# activation and the second layer is seen, never skipped.
+
+
+def _structure(module: nn.Module) -> tuple[Any, ...]:
+    """What a probe's verdict on ``module`` depends on besides its class's forward."""
+    plain = (bool, int, float, str, type(None))
+    return tuple(
+        (
+            name,
+            id(m),
+            type(m),
+            _hooked(m),
+            tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, plain))),
+        )
+        for name, m in module.named_modules()
+    )
+
+
+_probed: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], _Parts | str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _traced_mlp(module: nn.Module) -> _Parts | str:
+    """The parts of a module of any class whose forward is a lean MLP's chain (NOTE [ MLPs of
+    any class ]), or why it is not one; probed once per structure."""
+    structure = _structure(module)
+    known = _probed.get(module)
+    if known is not None and known[0] == structure:
+        return known[1]
+    parts = _probe(module)
+    _probed[module] = (structure, parts)
+    return parts
+
+
+def _probe(module: nn.Module) -> _Parts | str:
+    children = dict(module.named_children())
+    layers = {n: c for n, c in children.items() if type(c) in (nn.Linear, nn.Conv2d)}
+    acts = {n: c for n, c in children.items() if _act_kind(c) is not None}
+    leaves = [
+        c
+        for c in children.values()
+        if c not in layers.values()
+        and c not in acts.values()
+        and not any(True for _ in c.parameters())
+        and not any(True for _ in c.children())
+    ]
+    what = (
+        f"it is a {type(module).__name__}, not a timm Mlp, and not a module whose children are "
+        "two linear or pointwise conv layers, one GELU or StarReLU and parameterless leaves"
+    )
+    if len(layers) != 2 or len(acts) != 1 or len(leaves) + 3 != len(children):
+        return what
+    if module._parameters or module._buffers:
+        return f"{what} (it has parameters or buffers of its own)"
+    for name, layer in layers.items():
+        kind = _layer_kind(name, layer)
+        if kind not in ("linear", "conv"):
+            return kind
+    for name, child in children.items():
+        if any(_hooked(m) for m in child.modules()):
+            return (
+                f"its {name} has hooks (pruning, weight_norm, a user's), which a lean MLP, "
+                "computing its layers itself, would not run"
+            )
+    if _hooked(module):
+        return "it has hooks, which a lean MLP would not run"
+    reasons = []
+    for layer in layers.values():  # which layer comes first, the probe finds out
+        chain = _probe_chain(module, layer)
+        if isinstance(chain, _Parts):
+            return chain
+        reasons.append(chain)
+    ran = [r for r in reasons if not r.startswith("it did not run")]
+    return (
+        "its forward, probed, does not call its children as a lean MLP's chain (the first "
+        "layer on its input, the activation, leaves that pass it on, the second layer, each on "
+        f"the previous output): {(ran or reasons)[0]}"
+    )
+
+
+def _probe_chain(module: nn.Module, first: nn.Module) -> _Parts | str:
+    """One forward of ``module`` on a small input for ``first``, and the chain it called."""
+    weight = first.weight
+    if type(first) is nn.Linear:
+        x = torch.ones(1, 2, first.in_features, dtype=weight.dtype, device=weight.device)
+    else:
+        x = torch.ones(1, first.in_channels, 2, 2, dtype=weight.dtype, device=weight.device)
+    calls: list[tuple[nn.Module, Any, int, Any, int]] = []
+    pending: list[tuple[Any, int]] = []
+
+    def before(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        one = args[0] if len(args) == 1 and not kwargs else None
+        pending.append((one, one._version if isinstance(one, torch.Tensor) else -1))
+
+    def after(m: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        one, version = pending.pop()
+        calls.append((m, one, version, out, getattr(out, "_version", -1)))
+
+    modes = {m: m.training for m in module.modules()}
+    handles = []
+    for child in module.children():
+        handles.append(child.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(child.register_forward_hook(after, with_kwargs=True))
+    devices = [weight.device] if weight.device.type == "cuda" else []
+    try:
+        module.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            out = type(module).forward(module, x)
+    except Exception as error:  # the probe's input is not one this forward takes
+        return f"it did not run on a {tuple(x.shape)} input ({type(error).__name__})"
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    return _chain_parts(module, x, calls, out)
+
+
+def _chain_parts(
+    module: nn.Module, x: torch.Tensor, calls: list[tuple[nn.Module, Any, int, Any, int]], out: Any
+) -> _Parts | str:
+    """The parts of a probed chain of ``calls`` from ``x`` to ``out``, or why it is not one."""
+    value, version = x, x._version
+    for i, (m, one, seen, result, result_version) in enumerate(calls):
+        if one is not value or seen != version:
+            return f"call {i + 1} ({type(m).__name__}) did not take the previous output alone"
+        value, version = result, result_version
+    if value is not out or not isinstance(out, torch.Tensor):
+        return "it did not return the last call's output"
+    kinds = [
+        "layer" if type(m) in (nn.Linear, nn.Conv2d) else "act" if _act_kind(m) else "leaf"
+        for m, *_ in calls
+    ]
+    if kinds[:2] != ["layer", "act"] or kinds.count("layer") != 2:
+        return "it did not call a layer, then the activation, then the other layer"
+    second = kinds.index("layer", 1)
+    first, act, layer2 = calls[0][0], calls[1][0], calls[second][0]
+    if first is layer2:
+        return "it called one layer twice"
+    names = {id(c): n for n, c in module.named_children()}
+    for m, one, _, result, _ in calls[2:second]:
+        if result is not one or m is act:
+            return (
+                f"its {names[id(m)]} ({type(m).__name__}) ran between the activation and the "
+                "second layer and did not pass its input on (a dropout with p > 0?)"
+            )
+    spec = _Spec(
+        _layer_kind("", first),  # type: ignore[arg-type]
+        _layer_kind("", layer2),  # type: ignore[arg-type]
+        _act_kind(act) or "",
+        (first.bias is not None, layer2.bias is not None),
+    )
+    return _Parts(first, act, layer2, tuple(c[0] for c in calls[second + 1 :]), spec)
+
+
+def _recognised(module: nn.Module) -> _Parts | str:
+    """The parts of a timm ``Mlp`` or of a module probed to compute as one."""
+    parts = _timm_mlp(module)
+    if isinstance(parts, str) and parts.startswith("it is a "):  # not a timm Mlp at all
+        return _traced_mlp(module)
+    return parts
+
+
+def lean_mlp_problem(module: nn.Module) -> str | None:
+    """Why ``module`` cannot run as a lean MLP, or ``None`` when it can. Two layers, each
+    linear or a pointwise (1x1) conv, with or without biases, around a GELU or StarReLU, with
+    no dropout between them: a timm ``Mlp`` (its own forward, with an identity ``norm``), or a
+    module of any class whose forward a probe finds calling its children as such a chain
+    (NOTE [ MLPs of any class ]).
+
+    >>> from timm.layers import Mlp
+    >>> lean_mlp_problem(Mlp(8, 32)) is None
+    True
+    >>> lean_mlp_problem(nn.Sequential(nn.Conv2d(8, 32, 1), nn.GELU(), nn.Conv2d(32, 8, 1)))
+    >>> lean_mlp_problem(nn.Linear(8, 8)).startswith("it is a Linear, not a timm Mlp")
+    True
+    """
+    parts = _recognised(module)
+    return parts if isinstance(parts, str) else None
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -155,6 +484,61 @@ def _functorch_running() -> bool:
     return peek is not None and peek() is not None
 
 
+def _call_problem(parts: _Parts, x: Any, tensors: list[torch.Tensor]) -> str | None:
+    """Why this call cannot run lean, or ``None``."""
+    spec = parts.spec
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return "its input is not a floating-point tensor"
+    if not all(_plain(t) for t in tensors) or _functorch_running():
+        return "a tensor subclass or a torch.func transform (DTensor, vmap, grad) is involved"
+    if spec.first == "conv":
+        if x.dim() != 4:  # a 1x1 conv takes any layout: its backward is asked for the same
+            return "its input is not a batch of images (N, C, H, W) for its first 1x1 conv"
+    elif x.dim() < 2 or not x.is_contiguous():
+        return "its input is not a contiguous tensor of two or more dimensions"
+    if not all(t.is_contiguous() for t in tensors[1:]):
+        # autograd picks another product for a column-major weight (a transposed, tied one)
+        return "a weight is not contiguous"
+    if len({t.device for t in tensors}) > 1:
+        return "its input and parameters are on different devices"
+    if torch.is_autocast_enabled(x.device.type):
+        if spec.act == "star":
+            return "autocast computes StarReLU's square in float32"
+        if any(t.dtype == torch.float64 for t in tensors):
+            return "autocast leaves a float64 tensor as it is"
+    elif len({t.dtype for t in tensors}) > 1:
+        return "its input and parameters differ in dtype"
+    return None
+
+
+def _prepared(module: nn.Module, x: Any) -> tuple[_Parts, list[torch.Tensor | None]] | str:
+    """The parts of ``module`` and the arguments of its lean call on ``x`` after the spec (its
+    input, layers' weights and biases, activation's parameters), or why it cannot run lean."""
+    parts = _recognised(module)  # the module may have changed since it was planned
+    if isinstance(parts, str):
+        return parts
+    first, second = parts.first, parts.second
+    params = [parts.act.scale, parts.act.bias] if parts.spec.act == "star" else []
+    args = [x, first.weight, first.bias, second.weight, second.bias, *params]
+    why = _call_problem(parts, x, [t for t in args if t is not None])
+    return why if why is not None else (parts, args)
+
+
+def lean_mlp_call_problem(module: nn.Module, x: Any) -> str | None:
+    """Why ``module(x)`` would run the module's own forward rather than the lean one, or
+    ``None`` when it runs lean.
+
+    >>> import torch
+    >>> from timm.layers import Mlp
+    >>> lean_mlp_call_problem(Mlp(8, 32), torch.randn(2, 5, 8)) is None
+    True
+    >>> lean_mlp_call_problem(Mlp(8, 32), torch.randn(2, 8, 5).transpose(1, 2))
+    'its input is not a contiguous tensor of two or more dimensions'
+    """
+    prepared = _prepared(module, x)
+    return prepared if isinstance(prepared, str) else None
+
+
 def lean_mlp_forward(module: nn.Module, x: Any) -> tuple[torch.Tensor | None, str]:
     """``module(x)`` for a module :func:`lean_mlp_problem` accepts, with the lean backward
     (NOTE [ Lean MLP ]); or ``(None, why)`` when this call must run the module's own forward.
@@ -167,36 +551,21 @@ def lean_mlp_forward(module: nn.Module, x: Any) -> tuple[torch.Tensor | None, st
     >>> torch.equal(out, mlp(x))
     True
     """
-    problem = lean_mlp_problem(module)  # the module may have changed since it was planned
-    if problem is not None:
-        return None, problem
-    fc1, fc2 = module.fc1, module.fc2
-    tensors = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        return None, "its input is not a floating-point tensor"
-    if not all(_plain(t) for t in tensors) or _functorch_running():
-        return None, "a tensor subclass or a torch.func transform (DTensor, vmap, grad) is involved"
-    if x.dim() < 2 or not x.is_contiguous():
-        return None, "its input is not a contiguous tensor of two or more dimensions"
-    if not (fc1.weight.is_contiguous() and fc2.weight.is_contiguous()):
-        # autograd picks another product for a column-major weight (a transposed, tied one)
-        return None, "a weight is not contiguous"
+    prepared = _prepared(module, x)
+    if isinstance(prepared, str):
+        return None, prepared
+    parts, args = prepared
     device = x.device.type
-    if len({t.device for t in tensors}) > 1:
-        return None, "its input and parameters are on different devices"
-    autocast = torch.is_autocast_enabled(device)
-    if autocast:
-        if any(t.dtype == torch.float64 for t in tensors):
-            return None, "autocast leaves a float64 tensor as it is"
-    elif len({t.dtype for t in tensors}) > 1:
-        return None, "its input and parameters differ in dtype"
-    approximate = _gelu_approximation(module.act)
-    if autocast:
-        # autocast would cast the five tensors for each linear: cast them once here, where
-        # autograd records the casts as it does under autocast (NOTE [ Lean MLP ])
+    if torch.is_autocast_enabled(device):
+        # autocast would cast the tensors for each layer: cast them once here, where autograd
+        # records the casts as it does under autocast (NOTE [ Lean MLP ]); a StarReLU MLP
+        # does not come here
         dtype = torch.get_autocast_dtype(device)
+        cast = [None if t is None else t.to(dtype) for t in args]
         with torch.autocast(device, enabled=False):
-            out = _LeanMlp.apply(*(t.to(dtype) for t in tensors), approximate)
+            out = _LeanMlp.apply(parts.spec, *cast)
     else:
-        out = _LeanMlp.apply(*tensors, approximate)
-    return module.drop2(out), ""
+        out = _LeanMlp.apply(parts.spec, *args)
+    for after in parts.after:
+        out = after(out)
+    return out, ""

@@ -811,8 +811,9 @@ def _lean_hits(
         elif required:
             raise ConfigError(
                 f"{origin} ({rule}) makes {name or '(the model)'!r} lean, but {problem}. "
-                "lean: true is for timm's Mlp: nn.Linear fc1 and fc2 with biases, a "
-                "GELU act, an Identity norm and drop1 of p=0. Select the MLP modules "
+                "lean: true is for an MLP: two nn.Linear or pointwise (1x1) nn.Conv2d "
+                "layers around a GELU or StarReLU with no dropout between, a timm Mlp or a "
+                "module whose forward calls them one after another. Select the MLP modules "
                 "themselves (such as 'blocks.*.mlp'), or make them a region (drop lean)."
             )
     return kept
