@@ -18,8 +18,8 @@ a rule of the config vocabulary (:meth:`Span.rule`):
   previous one's output, as groups of about sqrt(n) of them: ``segments: auto``;
 - ``stage``: what holds a repeated sequence: the module itself, or for an ``nn.ModuleList``
   (which has no forward) the module holding it; never the model itself;
-- ``lean``: a module that can run with the lean MLP backward (``_lean.lean_mlp_problem``), on
-  the contiguous input it was called with.
+- ``lean``: a module that runs with the lean MLP backward on the input it was called with
+  (``_lean.lean_mlp_call_problem``).
 
 # NOTE [ Runs found by tracing ]
 #
@@ -62,7 +62,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ._install import passable
-from ._lean import lean_mlp_problem
+from ._lean import lean_mlp_call_problem
 from ._measure import model_restored
 
 __all__ = ["Span", "SpanKind", "trace_spans"]
@@ -123,8 +123,8 @@ class _Call:
     replayable: bool = True
     """Whether its positional arguments after the first could be passed again by a run's
     replay (NOTE [ Runs found by tracing ], 2)."""
-    contiguous: bool = False
-    """Whether its first positional argument was a contiguous tensor (a lean MLP needs one)."""
+    lean: bool = False
+    """Whether the module, a lean MLP, would run lean on this call (its input's layout)."""
 
 
 def _key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -148,6 +148,7 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
     calls: list[_Call] = []
     stack: list[int] = []
     keep: list[Any] = []  # every traced tensor stays alive: no address is reused meanwhile
+    alone: dict[int, Any] = {}  # a call's one argument, when it had one
 
     def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
         name = names.get(id(module))
@@ -161,8 +162,9 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
             stack[-1] if stack else None,
             None if first is None else _key(first),
             replayable=passable(args[1:], {}),  # a global hook sees no keyword arguments
-            contiguous=first is not None and first.is_contiguous(),
         )
+        if len(args) == 1:
+            alone[call.index] = args[0]
         for t in tree_leaves(args):
             if isinstance(t, torch.Tensor):
                 call.inputs.add(_key(t))
@@ -189,6 +191,10 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
     finally:
         for h in handles:
             h.remove()
+    # after the trace: recognising an MLP of another class runs its forward once (NOTE [ MLPs
+    # of any class ] in _lean), which the trace's hooks must not record
+    for index, arg in alone.items():
+        calls[index].lean = lean_mlp_call_problem(calls[index].module, arg) is None
     return calls
 
 
@@ -338,9 +344,10 @@ def trace_spans(model: nn.Module, example_input: Any) -> list[Span]:
         if call.name and ("module", call.name) not in seen:
             seen.add(("module", call.name))
             spans.append(Span("module", call.name, (call.name,), call.index))
-            # a lean MLP computes on its input as one matrix: a transposed input (MLP-Mixer's
-            # token MLPs) would make it run its own forward, warning on every step
-            if lean_mlp_problem(call.module) is None and call.contiguous:
+            # a lean MLP with linear layers computes on its input as one matrix: a transposed
+            # input (MLP-Mixer's token MLPs) would make it run its own forward, warning on
+            # every step
+            if call.lean:
                 spans.append(Span("lean", call.name, (call.name,), call.index))
     for run in _runs(calls, excluded):
         names = tuple(c.name for c in run)
