@@ -477,3 +477,26 @@ def test_hugging_face_poolformer_outputs_are_lean_and_exact(assert_exact, exact_
         warnings.simplefilter("error")
         got = exact_step(model, x)
     assert_exact(got, want, "PoolFormer's outputs lean")
+
+
+def test_an_mlp_of_any_class_compiles_lean_and_exact(assert_exact, exact_step):
+    """Planned in eval mode, probed again in training under torch.compile: the lean
+    autograd.Function is in a captured graph and the step equals eager's plain one."""
+    plain = _wrapped(_ConvMlp())
+    lean = _lean(copy.deepcopy(plain).eval()).train()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 8, 5, 5)
+    got = exact_step(torch.compile(lean, backend=backend), x)
+    got["grads"] = {k.removeprefix("_orig_mod."): v for k, v in got["grads"].items()}
+    got["buffers"] = {k.removeprefix("_orig_mod."): v for k, v in got["buffers"].items()}
+    assert_exact(got, exact_step(plain, x), "compiled")
+    code = "".join(g.print_readable(print_output=False) for g in graphs)
+    assert len(re.findall(r"autograd_function_apply\(", code)) == 1
