@@ -239,17 +239,18 @@ def _hooked(module: nn.Module) -> bool:
     )
 
 
-def _timm_mlp(module: nn.Module) -> _Parts | str:
-    """The parts of a timm ``Mlp`` (its own forward), or why it has none a lean MLP takes."""
+def _is_timm_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` is a timm ``Mlp`` with its own forward."""
     try:
         from timm.layers import Mlp
     except ImportError:  # pragma: no cover - timm is a dependency
-        Mlp = None
-    if Mlp is None or not isinstance(module, Mlp) or type(module).forward is not Mlp.forward:
-        return (
-            f"it is a {type(module).__name__}, not a timm Mlp "
-            "(fc1 -> act -> drop1 -> norm -> fc2 -> drop2)"
-        )
+        return False
+    return isinstance(module, Mlp) and type(module).forward is Mlp.forward
+
+
+def _timm_mlp(module: nn.Module) -> _Parts | str:
+    """The parts of a timm ``Mlp`` (fc1 -> act -> drop1 -> norm -> fc2 -> drop2), or why it
+    has none a lean MLP takes."""
     kinds = []
     for part in ("fc1", "fc2"):
         kind = _layer_kind(part, getattr(module, part))
@@ -447,10 +448,7 @@ def _chain_parts(
 
 def _recognised(module: nn.Module) -> _Parts | str:
     """The parts of a timm ``Mlp`` or of a module probed to compute as one."""
-    parts = _timm_mlp(module)
-    if isinstance(parts, str) and parts.startswith("it is a "):  # not a timm Mlp at all
-        return _traced_mlp(module)
-    return parts
+    return _timm_mlp(module) if _is_timm_mlp(module) else _traced_mlp(module)
 
 
 def lean_mlp_problem(module: nn.Module) -> str | None:
