@@ -500,3 +500,29 @@ def test_an_mlp_of_any_class_compiles_lean_and_exact(assert_exact, exact_step):
     assert_exact(got, exact_step(plain, x), "compiled")
     code = "".join(g.print_readable(print_output=False) for g in graphs)
     assert len(re.findall(r"autograd_function_apply\(", code)) == 1
+
+
+def test_monai_unetr_mlp_blocks_are_lean_and_exact(assert_exact, exact_step):
+    """MONAI's MLPBlock (linear1 -> GELU -> drop1 -> linear2 -> drop2), a class of its own,
+    found by its forward: a 3D transformer's MLPs run lean with exact gradients."""
+    nets = pytest.importorskip("monai.networks.nets")
+    torch.manual_seed(0)
+    model = nets.UNETR(
+        in_channels=1,
+        out_channels=2,
+        img_size=(16, 16, 16),
+        feature_size=4,
+        hidden_size=32,
+        mlp_dim=64,
+        num_heads=2,
+        dropout_rate=0.0,
+    ).train()
+    x = torch.randn(2, 1, 16, 16, 16)
+    want = exact_step(model, x)
+    rules = [{"match": "vit.blocks.*.mlp", "level": 1, "lean": True}]
+    plan = vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": rules})
+    assert sum(e.lean is not None for e in plan) == 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = exact_step(model, x)
+    assert_exact(got, want, "UNETR's MLP blocks lean")
