@@ -79,7 +79,7 @@ _installs = itertools.count()  # numbers the installed objects whose warnings ar
 
 
 class _LeanForward:
-    """A timm ``Mlp``'s forward with the lean backward (NOTE [ Lean MLP ] in ``_lean``), or,
+    """An MLP's forward with the lean backward (NOTE [ Lean MLP ] in ``_lean``), or,
     for a call it cannot take, the module's own forward with a warning (once per reason)."""
 
     def __init__(self, run: _ModuleForward) -> None:

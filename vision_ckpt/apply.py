@@ -77,7 +77,7 @@ class PlanEntry:
     """Training levels at which it directly holds two or more fully checkpointed modules, and
     is therefore recomputed like a group (see ``CheckpointConfig.nesting``)."""
     lean: Level | None = None
-    """The training level from which the module (a timm ``Mlp``) runs with the lean backward
+    """The training level from which the module (an MLP, ``_lean``) runs with the lean backward
     (``LevelRule.lean``), or ``None``. Not a region: ``rungs`` and ``checkpointed`` leave it
     out."""
 

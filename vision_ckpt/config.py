@@ -353,10 +353,11 @@ class LevelRule(_Schema):
     rule's level on, the run takes its place."""
 
     lean: bool = False
-    """Not a region: from ``level`` on, the selected timm ``Mlp`` (fc1, GELU, fc2) runs an exact
-    backward that keeps fc1's output and not GELU's, and holds two hidden-size tensors at once
-    instead of three, for one GELU recomputed. It combines with the module's regions from
-    other rules (checkpointed and lean, from both levels on)."""
+    """Not a region: from ``level`` on, the selected MLP (two linear or 1x1-conv layers around a
+    GELU or StarReLU: a timm ``Mlp``, or a module whose forward chains them) runs an exact
+    backward that keeps the first layer's output and not the activation's, and holds one
+    hidden-size tensor fewer at once, for one activation recomputed. It combines with the
+    module's regions from other rules (checkpointed and lean, from both levels on)."""
 
     offload: bool = False
     """The region (keeping nothing) keeps its inputs in pinned host memory instead of on the

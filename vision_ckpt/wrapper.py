@@ -420,7 +420,7 @@ class Policy:
     """Training levels at which the region directly holds two or more fully checkpointed
     regions: at those it is recomputed like a group (NOTE [ Nesting ])."""
     lean: Level | None = None
-    """The training level from which the module runs its lean forward (a timm ``Mlp``,
+    """The training level from which the module runs its lean forward (an MLP,
     NOTE [ Lean MLP ] in ``_lean``), inside a region or not; ``None``: never."""
 
 
