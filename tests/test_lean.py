@@ -118,6 +118,9 @@ def _star(**kwargs) -> nn.Module:
         ({"bias": False}, (3, 7, 16)),
         ({"bias": False, "act_layer": _star}, (2, 5, 5, 16)),
         ({"act_layer": partial(_star, scale_learnable=False)}, (37, 16)),
+        ({"act_layer": nn.SiLU}, (3, 7, 16)),
+        ({"use_conv": True, "act_layer": partial(nn.ReLU, inplace=True)}, (2, 16, 8, 8)),
+        ({"act_layer": nn.Hardswish, "bias": False}, (37, 16)),
     ],
     ids=[
         "conv",
@@ -126,6 +129,9 @@ def _star(**kwargs) -> nn.Module:
         "linear, no bias",
         "linear, no bias, StarReLU, NHWC",
         "linear, StarReLU with a fixed scale",
+        "linear, SiLU",
+        "conv, in-place ReLU",
+        "linear, no bias, Hardswish",
     ],
 )
 def test_every_mlp_layout_lean_takes_is_exact(layout, shape, assert_exact, exact_step):
@@ -299,7 +305,7 @@ def test_torch_func_transforms_run_the_mlps_own_forward(assert_exact):
             ),
             "a weight is not contiguous",
         ),
-        (lambda m: setattr(m[0], "act", nn.ReLU()), "its act is a ReLU, not a GELU or a StarReLU"),
+        (lambda m: setattr(m[0], "act", nn.Tanh()), "its act is a Tanh, not one lean takes"),
         (
             lambda m: torch.nn.utils.prune.l1_unstructured(m[0].fc1, "weight", 0.5),
             r"its fc1 has hooks \(pruning",
@@ -344,6 +350,26 @@ def test_a_lean_mlp_in_a_run_is_an_error():
     run = {"match": "blocks.*.norm2", "level": 2, "through": "mlp"}
     with pytest.raises(ConfigError, match=r"makes 'blocks.0.mlp' lean, and rules\[1\].*runs it"):
         vision_ckpt.plan(_vit(), {"training_checkpoint_level": 2, "rules": [LEAN, run]})
+
+
+@pytest.mark.parametrize("act", [nn.GELU, nn.SiLU, nn.ReLU, nn.Hardswish])
+def test_every_one_operator_activation_is_lean_and_exact_under_autocast(act, assert_exact):
+    """None of them is on autocast's lists: the layers run in bfloat16, the activation on
+    their output as it is, lean or not."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(Mlp(16, 64, use_conv=True, act_layer=act)).train()
+    lean = _lean(copy.deepcopy(plain))
+    results = []
+    for m in (plain, lean):
+        x = torch.randn(2, 16, 6, 6, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = m(x)
+        out.float().sum().backward()
+        results.append((out.detach(), [x.grad, *(p.grad for p in m.parameters())]))
+    assert results[0][0].dtype == torch.bfloat16
+    assert_exact(results[1], results[0], f"{act.__name__} under autocast")
 
 
 def test_autocast_with_a_low_precision_input_stays_lean_and_exact(assert_exact):
@@ -428,11 +454,11 @@ def test_an_mlp_of_any_class_found_by_its_forward_is_lean_and_exact(mlp, assert_
             r"its 0 is a Conv2d that is not pointwise",
         ),
         (
-            lambda: nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)),
+            lambda: nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8)),
             r"it is a Sequential, not a timm Mlp, and not a module whose children are two",
         ),
     ],
-    ids=["residual inside", "changed in place", "dropout between", "3x3 conv", "ReLU"],
+    ids=["residual inside", "changed in place", "dropout between", "3x3 conv", "Tanh"],
 )
 def test_a_module_whose_forward_is_no_lean_chain_is_an_error_that_says_why(mlp, message):
     with pytest.raises(ConfigError, match=message):

@@ -35,11 +35,14 @@ __all__ = ["lean_mlp_problem", "lean_mlp_call_problem", "lean_mlp_forward"]
 # - a pointwise Conv2d (1x1, stride 1, no padding, one group) backs through
 #   aten.convolution_backward, asked for the weight and bias gradients and then, apart, for
 #   the input gradient (each output of that operator is computed on its own);
-# - GELU backs through aten.gelu_backward; StarReLU through the formulas autograd records for
+# - GELU, SiLU, ReLU and Hardswish back through the one operator autograd's formula calls
+#   (gelu_backward, silu_backward, threshold_backward, hardswish_backward), written over the
+#   gradient it takes; StarReLU through the formulas autograd records for
 #   mul, pow and relu, taken in place (an elementwise operator gives the same value in place),
 #   its scale's and bias's gradients reduced by the sum_to the engine applies.
 # Under autocast the tensors are cast to its dtype first, as autocast casts them for each layer
-# (GELU is on none of its lists; StarReLU's pow is, so a StarReLU MLP runs plainly there). A
+# (the one-operator activations are on none of its lists; StarReLU's pow is, so a StarReLU MLP
+# runs plainly there). A
 # second derivative (create_graph=True) is an error: this backward is not differentiable, and
 # the plain graph's second derivatives, rebuilt, would be summed in another order. Anything else
 # (a strided input or weight, a tensor subclass or torch.func transform, dropout between the
@@ -56,7 +59,7 @@ class _Spec:
     first: _Kind
     second: _Kind
     act: str
-    """``gelu:none``, ``gelu:tanh`` or ``star``."""
+    """A key of ``_ONE_OP`` (``gelu:none``, ``silu``, ...) or ``star``."""
     biases: tuple[bool, bool]
 
 
@@ -96,12 +99,35 @@ def _input_grad(
     return grad.reshape(-1, grad.shape[-1]).mm(w).view(like.shape)
 
 
+# The activations taken with one operator each way: the function the plain module calls, and
+# its gradient as autograd computes it, written over the gradient of the activation's output.
+# ReLU's formula reads relu's result, which is at or under 0 exactly where its input is.
+_ONE_OP: dict[str, tuple[Any, Any]] = {
+    "gelu:none": (
+        lambda h: F.gelu(h),
+        lambda g, h: torch.ops.aten.gelu_backward.grad_input(g, h, grad_input=g),
+    ),
+    "gelu:tanh": (
+        lambda h: F.gelu(h, approximate="tanh"),
+        lambda g, h: torch.ops.aten.gelu_backward.grad_input(
+            g, h, approximate="tanh", grad_input=g
+        ),
+    ),
+    "silu": (F.silu, lambda g, h: torch.ops.aten.silu_backward.grad_input(g, h, grad_input=g)),
+    "relu": (
+        F.relu,
+        lambda g, h: torch.ops.aten.threshold_backward.grad_input(g, h, 0, grad_input=g),
+    ),
+    "hardswish": (F.hardswish, lambda g, h: torch.ops.aten.hardswish_backward.out(g, h, out=g)),
+}
+
+
 def _act(act: str, hidden: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The activation as the plain module computes it."""
     if act == "star":
         scale, bias = params
         return scale * F.relu(hidden) ** 2 + bias
-    return F.gelu(hidden, approximate=act.partition(":")[2])
+    return _ONE_OP[act][0](hidden)
 
 
 def _act_again(act: str, hidden: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -119,9 +145,7 @@ def _act_backward_(
     """Turns ``grad`` (of the activation's output) into the gradient of ``hidden`` in place;
     returns its parameters' gradients."""
     if act != "star":
-        torch.ops.aten.gelu_backward.grad_input(
-            grad, hidden, approximate=act.partition(":")[2], grad_input=grad
-        )
+        _ONE_OP[act][1](grad, hidden)
         return ()
     scale, bias = params
     grad_bias = grad.sum_to_size(bias.shape) if need[1] else None  # add: grad, reduced
@@ -210,10 +234,13 @@ def _layer_kind(part: str, layer: nn.Module) -> _Kind | str:
 
 
 def _act_kind(act: nn.Module) -> str | None:
-    """``gelu:none``, ``gelu:tanh`` or ``star`` for an activation module whose forward is
-    exactly that function, else ``None``."""
+    """The kind of an activation module whose forward is exactly that function (a key of
+    ``_ONE_OP``, or ``star``), else ``None``."""
     if type(act) is nn.GELU:
         return f"gelu:{act.approximate}"
+    torch_kind = {nn.SiLU: "silu", nn.ReLU: "relu", nn.Hardswish: "hardswish"}.get(type(act))
+    if torch_kind is not None:
+        return torch_kind
     try:
         from timm.layers import activations
         from timm.models.metaformer import StarReLU
@@ -259,7 +286,10 @@ def _timm_mlp(module: nn.Module) -> _Parts | str:
         kinds.append(kind)
     act = _act_kind(module.act)
     if act is None:
-        return f"its act is a {type(module.act).__name__}, not a GELU or a StarReLU"
+        return (
+            f"its act is a {type(module.act).__name__}, not one lean takes (GELU, SiLU, ReLU, "
+            "Hardswish, StarReLU)"
+        )
     if type(module.norm) is not nn.Identity:
         return f"its norm is a {type(module.norm).__name__}, not an Identity"
     drop1 = module.drop1
@@ -339,7 +369,8 @@ def _probe(module: nn.Module) -> _Parts | str:
     ]
     what = (
         f"it is a {type(module).__name__}, not a timm Mlp, and not a module whose children are "
-        "two linear or pointwise conv layers, one GELU or StarReLU and parameterless leaves"
+        "two linear or pointwise conv layers, one activation lean takes (GELU, SiLU, ReLU, "
+        "Hardswish, StarReLU) and parameterless leaves"
     )
     if len(layers) != 2 or len(acts) != 1 or len(leaves) + 3 != len(children):
         return what
@@ -453,10 +484,10 @@ def _recognised(module: nn.Module) -> _Parts | str:
 
 def lean_mlp_problem(module: nn.Module) -> str | None:
     """Why ``module`` cannot run as a lean MLP, or ``None`` when it can. Two layers, each
-    linear or a pointwise (1x1) conv, with or without biases, around a GELU or StarReLU, with
-    no dropout between them: a timm ``Mlp`` (its own forward, with an identity ``norm``), or a
-    module of any class whose forward a probe finds calling its children as such a chain
-    (NOTE [ MLPs of any class ]).
+    linear or a pointwise (1x1) conv, with or without biases, around a GELU, SiLU, ReLU,
+    Hardswish or StarReLU, with no dropout between them: a timm ``Mlp`` (its own forward, with
+    an identity ``norm``), or a module of any class whose forward a probe finds calling its
+    children as such a chain (NOTE [ MLPs of any class ]).
 
     >>> from timm.layers import Mlp
     >>> lean_mlp_problem(Mlp(8, 32)) is None

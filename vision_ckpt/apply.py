@@ -812,8 +812,9 @@ def _lean_hits(
             raise ConfigError(
                 f"{origin} ({rule}) makes {name or '(the model)'!r} lean, but {problem}. "
                 "lean: true is for an MLP: two nn.Linear or pointwise (1x1) nn.Conv2d "
-                "layers around a GELU or StarReLU with no dropout between, a timm Mlp or a "
-                "module whose forward calls them one after another. Select the MLP modules "
+                "layers around a GELU, SiLU, ReLU, Hardswish or StarReLU with no dropout "
+                "between, a timm Mlp or a module whose forward calls them one after another. "
+                "Select the MLP modules "
                 "themselves (such as 'blocks.*.mlp'), or make them a region (drop lean)."
             )
     return kept

@@ -354,9 +354,10 @@ class LevelRule(_Schema):
 
     lean: bool = False
     """Not a region: from ``level`` on, the selected MLP (two linear or 1x1-conv layers around a
-    GELU or StarReLU: a timm ``Mlp``, or a module whose forward chains them) runs an exact
-    backward that keeps the first layer's output and not the activation's, and holds one
-    hidden-size tensor fewer at once, for one activation recomputed. It combines with the
+    GELU, SiLU, ReLU, Hardswish or StarReLU: a timm ``Mlp``, or a module whose forward chains
+    them) runs an exact backward that keeps the first layer's output and not the
+    activation's, and holds one hidden-size tensor fewer at once, for one activation
+    recomputed. It combines with the
     module's regions from other rules (checkpointed and lean, from both levels on)."""
 
     offload: bool = False
