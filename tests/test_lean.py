@@ -496,13 +496,18 @@ def test_hugging_face_poolformer_outputs_are_lean_and_exact(assert_exact, exact_
     model = transformers.PoolFormerForImageClassification(config).train()
     x = torch.randn(2, 3, 64, 64)
     want = exact_step(model, x)
-    rules = [{"match": "poolformer.encoder.block.*.*.output", "level": 1, "lean": True}]
-    plan = vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": rules})
-    assert sum(e.lean is not None for e in plan) == 5
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        got = exact_step(model, x)
-    assert_exact(got, want, "PoolFormer's outputs lean")
+    rules = [
+        {"match": "poolformer.encoder.block.*.*.output", "level": 1, "lean": True},
+        {"match": "poolformer.encoder.block.*.*", "level": 2},  # recomputed around them
+    ]
+    for level in (1, 2):
+        applied = copy.deepcopy(model)
+        plan = vision_ckpt.apply(applied, {"training_checkpoint_level": level, "rules": rules})
+        assert sum(e.lean is not None for e in plan) == 5
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = exact_step(applied, x)
+        assert_exact(got, want, f"PoolFormer's outputs lean at level {level}")
 
 
 def test_an_mlp_of_any_class_compiles_lean_and_exact(assert_exact, exact_step):
