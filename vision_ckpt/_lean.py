@@ -345,7 +345,11 @@ _probed: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], _Parts | st
 
 def _traced_mlp(module: nn.Module) -> _Parts | str:
     """The parts of a module of any class whose forward is a lean MLP's chain (NOTE [ MLPs of
-    any class ]), or why it is not one; probed once per structure."""
+    any class ]), or why it is not one; its children are looked at on every call, its forward
+    probed once per structure."""
+    problem = _children_problem(module)
+    if problem is not None:
+        return problem
     structure = _structure(module)
     known = _probed.get(module)
     if known is not None and known[0] == structure:
@@ -355,15 +359,21 @@ def _traced_mlp(module: nn.Module) -> _Parts | str:
     return parts
 
 
-def _probe(module: nn.Module) -> _Parts | str:
+def _layers(module: nn.Module) -> list[nn.Module]:
+    return [c for c in module.children() if type(c) in (nn.Linear, nn.Conv2d)]
+
+
+def _children_problem(module: nn.Module) -> str | None:
+    """Why the children of ``module`` are not those of a lean MLP (two layers, one activation,
+    parameterless leaves, no hooks), or ``None``."""
     children = dict(module.named_children())
-    layers = {n: c for n, c in children.items() if type(c) in (nn.Linear, nn.Conv2d)}
-    acts = {n: c for n, c in children.items() if _act_kind(c) is not None}
+    layers = _layers(module)
+    acts = [c for c in children.values() if _act_kind(c) is not None]
     leaves = [
         c
         for c in children.values()
-        if c not in layers.values()
-        and c not in acts.values()
+        if c not in layers
+        and c not in acts
         and not any(True for _ in c.parameters())
         and not any(True for _ in c.children())
     ]
@@ -376,11 +386,11 @@ def _probe(module: nn.Module) -> _Parts | str:
         return what
     if module._parameters or module._buffers:
         return f"{what} (it has parameters or buffers of its own)"
-    for name, layer in layers.items():
-        kind = _layer_kind(name, layer)
-        if kind not in ("linear", "conv"):
-            return kind
     for name, child in children.items():
+        if child in layers:
+            kind = _layer_kind(name, child)
+            if kind not in ("linear", "conv"):
+                return kind
         if any(_hooked(m) for m in child.modules()):
             return (
                 f"its {name} has hooks (pruning, weight_norm, a user's), which a lean MLP, "
@@ -388,8 +398,13 @@ def _probe(module: nn.Module) -> _Parts | str:
             )
     if _hooked(module):
         return "it has hooks, which a lean MLP would not run"
+    return None
+
+
+def _probe(module: nn.Module) -> _Parts | str:
+    """The chain one forward of ``module`` calls, tried with each layer's input shape."""
     reasons = []
-    for layer in layers.values():  # which layer comes first, the probe finds out
+    for layer in _layers(module):  # which layer comes first, the probe finds out
         chain = _probe_chain(module, layer)
         if isinstance(chain, _Parts):
             return chain
