@@ -372,6 +372,26 @@ def test_every_one_operator_activation_is_lean_and_exact_under_autocast(act, ass
     assert_exact(results[1], results[0], f"{act.__name__} under autocast")
 
 
+@pytest.mark.parametrize("act", [nn.GELU, nn.SiLU, nn.ReLU, nn.Hardswish])
+def test_a_dispatch_mode_around_backward_sees_the_same_operators(act, assert_exact):
+    """FlopCounterMode runs silu_backward's composite kernel in place of the CPU one; lean
+    calls each operator as autograd does, so its gradients follow the plain MLP's there too."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(Mlp(32, 128, act_layer=act)).train()
+    lean = _lean(copy.deepcopy(plain))
+    x = torch.randn(2, 8, 8, 32)
+    results = []
+    for m in (plain, lean):
+        xi = x.clone().requires_grad_()
+        loss = m(xi).square().mean()
+        with FlopCounterMode(display=False):
+            loss.backward()
+        results.append([xi.grad, *(p.grad for p in m.parameters())])
+    assert_exact(results[1], results[0], f"{act.__name__} under FlopCounterMode")
+
+
 def test_autocast_with_a_low_precision_input_stays_lean_and_exact(assert_exact):
     plain, x = _sequential_mlp()
     lean = _lean(copy.deepcopy(plain))

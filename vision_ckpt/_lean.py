@@ -37,9 +37,10 @@ __all__ = ["lean_mlp_problem", "lean_mlp_call_problem", "lean_mlp_forward"]
 #   the input gradient (each output of that operator is computed on its own);
 # - GELU, SiLU, ReLU and Hardswish back through the one operator autograd's formula calls
 #   (gelu_backward, silu_backward, threshold_backward, hardswish_backward), written over the
-#   gradient it takes; StarReLU through the formulas autograd records for
-#   mul, pow and relu, taken in place (an elementwise operator gives the same value in place),
-#   its scale's and bias's gradients reduced by the sum_to the engine applies.
+#   gradient it takes (SiLU's into a new tensor, one hidden-size tensor more for a moment:
+#   see _ONE_OP); StarReLU through the formulas autograd records for mul, pow and relu, taken
+#   in place (an elementwise operator gives the same value in place), its scale's and bias's
+#   gradients reduced by the sum_to the engine applies.
 # Under autocast the tensors are cast to its dtype first, as autocast casts them for each layer
 # (the one-operator activations are on none of its lists; StarReLU's pow is, so a StarReLU MLP
 # runs plainly there). A
@@ -102,6 +103,9 @@ def _input_grad(
 # The activations taken with one operator each way: the function the plain module calls, and
 # its gradient as autograd computes it, written over the gradient of the activation's output.
 # ReLU's formula reads relu's result, which is at or under 0 exactly where its input is.
+# silu_backward also has a composite kernel, which a Python dispatch mode (FlopCounterMode)
+# runs in place of the CPU one for the overload autograd calls: it is called as autograd calls
+# it, into a new tensor, so it rounds as the plain MLP's does under any mode.
 _ONE_OP: dict[str, tuple[Any, Any]] = {
     "gelu:none": (
         lambda h: F.gelu(h),
@@ -113,7 +117,7 @@ _ONE_OP: dict[str, tuple[Any, Any]] = {
             g, h, approximate="tanh", grad_input=g
         ),
     ),
-    "silu": (F.silu, lambda g, h: torch.ops.aten.silu_backward.grad_input(g, h, grad_input=g)),
+    "silu": (F.silu, lambda g, h: torch.ops.aten.silu_backward(g, h)),
     "relu": (
         F.relu,
         lambda g, h: torch.ops.aten.threshold_backward.grad_input(g, h, 0, grad_input=g),
@@ -139,14 +143,13 @@ def _act_again(act: str, hidden: torch.Tensor, params: tuple[torch.Tensor, ...])
     return out.pow_(2).mul_(scale).add_(bias)
 
 
-def _act_backward_(
+def _act_backward(
     act: str, grad: torch.Tensor, hidden: torch.Tensor, params: tuple, need: tuple
-) -> tuple[torch.Tensor | None, ...]:
-    """Turns ``grad`` (of the activation's output) into the gradient of ``hidden`` in place;
-    returns its parameters' gradients."""
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """The gradient of ``hidden`` from ``grad`` (of the activation's output), written over
+    ``grad`` where the operator allows, and the activation's parameters' gradients."""
     if act != "star":
-        _ONE_OP[act][1](grad, hidden)
-        return ()
+        return _ONE_OP[act][1](grad, hidden), ()
     scale, bias = params
     grad_bias = grad.sum_to_size(bias.shape) if need[1] else None  # add: grad, reduced
     grad_scale = None
@@ -159,7 +162,7 @@ def _act_backward_(
     grad.mul_(twice)
     # relu: zero where relu's result is not above 0, as where twice it is not
     torch.ops.aten.threshold_backward.grad_input(grad, twice, 0, grad_input=grad)
-    return grad_scale, grad_bias
+    return grad, (grad_scale, grad_bias)
 
 
 class _LeanMlp(torch.autograd.Function):
@@ -197,7 +200,9 @@ class _LeanMlp(torch.autograd.Function):
         del act  # before the gradient of layer2's input exists (NOTE [ Lean MLP ])
         grad_hidden = _input_grad(spec.second, grad, hidden, w2)
         del grad
-        grad_params = _act_backward_(spec.act, grad_hidden, hidden, tuple(params), need[6:])
+        grad_hidden, grad_params = _act_backward(
+            spec.act, grad_hidden, hidden, tuple(params), need[6:]
+        )
         del hidden
         grad_w1, grad_b1 = _weight_grads(spec.first, grad_hidden, x, w1, spec.biases[0], need[2:4])
         grad_x = _input_grad(spec.first, grad_hidden, x, w1) if need[1] else None
