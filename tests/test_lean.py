@@ -470,6 +470,12 @@ def test_an_mlp_of_any_class_found_by_its_forward_is_lean_and_exact(mlp, assert_
             r"its drop \(Dropout\) ran between the activation and the second layer",
         ),
         (
+            lambda: nn.Sequential(
+                nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.5, inplace=True), nn.Linear(32, 8)
+            ),
+            r"its 2 \(Dropout\) ran between .* did not pass its input on unchanged",
+        ),
+        (
             lambda: nn.Sequential(nn.Conv2d(8, 32, 3), nn.GELU(), nn.Conv2d(32, 8, 1)),
             r"its 0 is a Conv2d that is not pointwise",
         ),
@@ -478,7 +484,14 @@ def test_an_mlp_of_any_class_found_by_its_forward_is_lean_and_exact(mlp, assert_
             r"it is a Sequential, not a timm Mlp, and not a module whose children are two",
         ),
     ],
-    ids=["residual inside", "changed in place", "dropout between", "3x3 conv", "Tanh"],
+    ids=[
+        "residual inside",
+        "changed in place",
+        "dropout between",
+        "in-place dropout between",
+        "3x3 conv",
+        "Tanh",
+    ],
 )
 def test_a_module_whose_forward_is_no_lean_chain_is_an_error_that_says_why(mlp, message):
     with pytest.raises(ConfigError, match=message):

@@ -320,12 +320,12 @@ def _timm_mlp(module: nn.Module) -> _Parts | str:
 # above) and parameterless leaves (dropouts, drop-paths, identities), and one forward on a small
 # input (no gradients, in training mode, the random state put back) calls, each on exactly the
 # previous output, unmodified and alone: the first layer on the module's input, the activation,
-# leaves that return their input itself, the second layer, then any modules, whose last output
-# the forward returns. The lean forward computes the chain to the second layer and calls the
-# modules after it itself. Invariant: a probe's verdict stands only while the module's
-# structure and its descendants' plain attributes (a drop probability, the training flag) are
-# those it was probed with; any change probes again, so a drop-path switched on between the
-# activation and the second layer is seen, never skipped.
+# leaves that return their input itself, unmodified, the second layer, then any modules,
+# whose last output the forward returns. The lean forward computes the chain to the second
+# layer and calls the modules after it itself. Invariant: a probe's verdict stands only while
+# the module's structure and its descendants' plain attributes (a drop probability, the
+# training flag) are those it was probed with; any change probes again, so a drop-path
+# switched on between the activation and the second layer is seen, never skipped.
 
 
 def _structure(module: nn.Module) -> tuple[Any, ...]:
@@ -482,11 +482,13 @@ def _chain_parts(
     if first is layer2:
         return "it called one layer twice"
     names = {id(c): n for n, c in module.named_children()}
-    for m, one, _, result, _ in calls[2:second]:
-        if result is not one or m is act:
+    for m, one, seen, result, result_version in calls[2:second]:
+        # passing on means returning the input itself, unmodified: an in-place dropout
+        # returns its input too, written over
+        if result is not one or result_version != seen or m is act:
             return (
                 f"its {names[id(m)]} ({type(m).__name__}) ran between the activation and the "
-                "second layer and did not pass its input on (a dropout with p > 0?)"
+                "second layer and did not pass its input on unchanged (a dropout with p > 0?)"
             )
     spec = _Spec(
         _layer_kind("", first),  # type: ignore[arg-type]
