@@ -325,7 +325,9 @@ def _timm_mlp(module: nn.Module) -> _Parts | str:
 # layer and calls the modules after it itself. Invariant: a probe's verdict stands only while
 # the module's structure and its descendants' plain attributes (a drop probability, the
 # training flag) are those it was probed with; any change probes again, so a drop-path
-# switched on between the activation and the second layer is seen, never skipped.
+# switched on between the activation and the second layer is seen, never skipped. What no
+# probe sees, as no trace does: a forward that branches on its input's shape or values and
+# calls another chain for another input; such a module must not be given ``lean: true``.
 
 
 def _structure(module: nn.Module) -> tuple[Any, ...]:
