@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -271,6 +272,17 @@ def _hooked(module: nn.Module) -> bool:
     )
 
 
+def _hooks_problem(parts: Iterable[tuple[str, nn.Module]]) -> str | None:
+    """Why hooks on one of an MLP's named parts (or inside it) keep it from running lean."""
+    for part, child in parts:
+        if any(_hooked(m) for m in child.modules()):
+            return (
+                f"its {part} has hooks (pruning, weight_norm, a user's), which a lean MLP, "
+                "computing its layers itself, would not run"
+            )
+    return None
+
+
 def _is_timm_mlp(module: nn.Module) -> bool:
     """Whether ``module`` is a timm ``Mlp`` with its own forward."""
     try:
@@ -302,12 +314,9 @@ def _timm_mlp(module: nn.Module) -> _Parts | str:
         return f"its drop1 is a {type(drop1).__name__}, not a Dropout"
     if isinstance(drop1, nn.Dropout) and drop1.p > 0:
         return f"its drop1 drops (p={drop1.p}) between the activation and fc2"
-    for part in ("fc1", "act", "drop1", "norm", "fc2"):
-        if any(_hooked(m) for m in getattr(module, part).modules()):
-            return (
-                f"its {part} has hooks (pruning, weight_norm, a user's), which a lean MLP, "
-                "computing its layers itself, would not run"
-            )
+    hooked = _hooks_problem((p, getattr(module, p)) for p in ("fc1", "act", "drop1", "norm", "fc2"))
+    if hooked is not None:
+        return hooked
     fc1, fc2 = module.fc1, module.fc2
     biases = (fc1.bias is not None, fc2.bias is not None)
     spec = _Spec(kinds[0], kinds[1], act, biases)
@@ -398,11 +407,9 @@ def _children_problem(module: nn.Module) -> str | None:
             kind = _layer_kind(name, child)
             if kind not in ("linear", "conv"):
                 return kind
-        if any(_hooked(m) for m in child.modules()):
-            return (
-                f"its {name} has hooks (pruning, weight_norm, a user's), which a lean MLP, "
-                "computing its layers itself, would not run"
-            )
+    hooked = _hooks_problem(children.items())
+    if hooked is not None:
+        return hooked
     if _hooked(module):
         return "it has hooks, which a lean MLP would not run"
     return None
