@@ -483,6 +483,10 @@ def test_an_mlp_of_any_class_found_by_its_forward_is_lean_and_exact(mlp, assert_
             lambda: nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8)),
             r"it is a Sequential, not a timm Mlp, and not a module whose children are two",
         ),
+        (
+            lambda: nn.Sequential(nn.GELU(), nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)),
+            r"it is a Sequential, not a timm Mlp, and not a module whose children are two",
+        ),
     ],
     ids=[
         "residual inside",
@@ -491,11 +495,82 @@ def test_an_mlp_of_any_class_found_by_its_forward_is_lean_and_exact(mlp, assert_
         "in-place dropout between",
         "3x3 conv",
         "Tanh",
+        "two activations",
     ],
 )
 def test_a_module_whose_forward_is_no_lean_chain_is_an_error_that_says_why(mlp, message):
     with pytest.raises(ConfigError, match=message):
         _lean(_wrapped(mlp()))
+
+
+class _NormFirst(nn.Module):
+    """An MLP with a norm before its first layer, laid out as TinyViT's: norm -> fc1 -> act ->
+    drop -> fc2 -> drop."""
+
+    def __init__(self, norm: nn.Module, conv: bool = False) -> None:
+        super().__init__()
+        self.norm = norm
+        self.fc1 = nn.Conv2d(8, 32, 1) if conv else nn.Linear(8, 32)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(0.0)
+        self.fc2 = nn.Conv2d(32, 8, 1) if conv else nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(self.norm(x))))))
+
+
+class _Strided(nn.Module):
+    """A leaf that returns its input's values with other strides, and counts its calls."""
+
+    calls = 0
+
+    def forward(self, x):
+        _Strided.calls += 1
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("norm", "conv", "x"),
+    [
+        (lambda: nn.LayerNorm(8), False, lambda: torch.randn(4, 3, 8)),
+        # TinyViT's MLP takes its windows' tokens transposed: the norm makes them contiguous
+        (lambda: nn.LayerNorm(8), False, lambda: torch.randn(3, 8, 4).transpose(1, 2)),
+        (lambda: nn.BatchNorm2d(8), True, lambda: torch.randn(2, 8, 5, 5)),
+    ],
+    ids=["layer norm", "layer norm, strided input", "batch norm, convs"],
+)
+def test_an_mlp_with_a_norm_before_its_first_layer_is_lean_and_exact(
+    norm, conv, x, assert_exact, exact_step
+):
+    """NOTE [ MLPs of any class ]: the norm runs as itself, the chain after it lean; the
+    BatchNorm's statistics are those of the plain step (the probe puts them back)."""
+    plain = _wrapped(_NormFirst(norm(), conv))
+    lean = _lean(copy.deepcopy(plain))
+    for name, buffer in plain.named_buffers():
+        assert torch.equal(buffer, lean.get_buffer(name)), f"the probe changed {name}"
+    assert "lean@1" in repr(lean[0].forward)
+    want = exact_step(plain, x())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = exact_step(lean, x())
+    assert_exact(got, want, "an MLP with a norm before its first layer")
+
+
+def test_a_leaf_before_the_first_layer_runs_once_when_the_rest_cannot_run_lean(
+    assert_exact, exact_step
+):
+    """Its output is strided, which lean's linear layer does not take: the call goes on through
+    the layers themselves, says why, and calls the leaf once, as the plain forward does."""
+    plain = _wrapped(_NormFirst(_Strided()))
+    lean = _lean(copy.deepcopy(plain))
+    x = torch.randn(4, 3, 8)
+    _Strided.calls = 0
+    want = exact_step(plain, x)
+    assert _Strided.calls == 1
+    with pytest.warns(UserWarning, match=r"'0' runs its own forward.*not a contiguous tensor"):
+        got = exact_step(lean, x)
+    assert _Strided.calls == 2
+    assert_exact(got, want, "an MLP whose leaf before it makes a strided input")
 
 
 def test_the_probe_changes_neither_the_random_state_nor_the_modes():

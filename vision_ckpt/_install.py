@@ -91,9 +91,10 @@ class _LeanForward:
         run = self.run
         if len(args) == 1 and not kwargs:
             out, why = lean_mlp_forward(run.module, args[0])
-            if out is not None:
+            if out is not None and not why:
                 return out
         else:
+            out = None
             why = "it was called with other than one tensor"
         message = (
             f"{run.name!r} runs its own forward, not the lean one its level asks for: "
@@ -104,7 +105,8 @@ class _LeanForward:
         elif why not in self.warned:
             self.warned.add(why)
             warnings.warn(message, UserWarning, stacklevel=4)
-        return run(*args, **kwargs)
+        # an MLP with a norm before it went on plainly once the norm had run: its output
+        return out if out is not None else run(*args, **kwargs)
 
 
 class CheckpointedForward:

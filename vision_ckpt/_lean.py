@@ -212,13 +212,15 @@ class _LeanMlp(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class _Parts:
-    """A recognised MLP: ``first -> act -> second``, then ``after`` (dropout) on the output."""
+    """A recognised MLP: ``before`` (a norm) on the input, ``first -> act -> second``, then
+    ``after`` (dropout) on the output; only the middle runs lean."""
 
     first: nn.Module
     act: nn.Module
     second: nn.Module
     after: tuple[nn.Module, ...]
     spec: _Spec
+    before: tuple[nn.Module, ...] = ()
 
 
 _POINTWISE = ((1, 1), (1, 1), (0, 0), (1, 1), 1, "zeros")
@@ -326,12 +328,16 @@ def _timm_mlp(module: nn.Module) -> _Parts | str:
 # NOTE [ MLPs of any class ]
 # A module of another class is a lean MLP when its forward is the chain a lean MLP computes,
 # found by a probe rather than by its class: its children are two layers, one activation (as
-# above) and parameterless leaves (dropouts, drop-paths, identities), and one forward on a small
-# input (no gradients, in training mode, the random state put back) calls, each on exactly the
-# previous output, unmodified and alone: the first layer on the module's input, the activation,
-# leaves that return their input itself, unmodified, the second layer, then any modules,
-# whose last output the forward returns. The lean forward computes the chain to the second
-# layer and calls the modules after it itself. Invariant: a probe's verdict stands only while
+# above) and other leaves (modules without children: dropouts, drop-paths, identities, norms),
+# and one forward on a small input (no gradients, in training mode, the random state put back)
+# calls, each on exactly the previous output, unmodified and alone: any leaves on the module's
+# input (a pre-norm, as TinyViT's MLP has), the first layer, the activation, leaves that return
+# their input itself, unmodified, the second layer, then any modules, whose last output the
+# forward returns. The lean forward calls the leaves before the first layer itself, computes
+# the chain to the second layer (the leaves' output is the lean part's input, so a call is
+# checked for lean once they have run, and a call that cannot run lean then goes on through
+# the modules themselves, never through a leaf twice) and calls the modules after it itself.
+# Invariant: a probe's verdict stands only while
 # the module's structure and its descendants' plain attributes (a drop probability, the
 # training flag) are those it was probed with; any change probes again, so a drop-path
 # switched on between the activation and the second layer is seen, never skipped. What no
@@ -381,22 +387,19 @@ def _layers(module: nn.Module) -> list[nn.Module]:
 
 def _children_problem(module: nn.Module) -> str | None:
     """Why the children of ``module`` are not those of a lean MLP (two layers, one activation,
-    parameterless leaves, no hooks), or ``None``."""
+    other leaves, no hooks), or ``None``."""
     children = dict(module.named_children())
     layers = _layers(module)
     acts = [c for c in children.values() if _act_kind(c) is not None]
     leaves = [
         c
         for c in children.values()
-        if c not in layers
-        and c not in acts
-        and not any(True for _ in c.parameters())
-        and not any(True for _ in c.children())
+        if c not in layers and c not in acts and not any(True for _ in c.children())
     ]
     what = (
         f"it is a {type(module).__name__}, not a timm Mlp, and not a module whose children are "
         "two linear or pointwise conv layers, one activation lean takes (GELU, SiLU, ReLU, "
-        "Hardswish, StarReLU) and parameterless leaves"
+        "Hardswish, StarReLU) and other leaves (modules without children)"
     )
     if len(layers) != 2 or len(acts) != 1 or len(leaves) + 3 != len(children):
         return what
@@ -450,6 +453,8 @@ def _probe_chain(module: nn.Module, first: nn.Module) -> _Parts | str:
         calls.append((m, one, version, out, getattr(out, "_version", -1)))
 
     modes = {m: m.training for m in module.modules()}
+    # a norm before the first layer, run in training mode, would update its running statistics
+    buffers = [(b, b.clone()) for b in module.buffers()]
     handles = []
     for child in module.children():
         handles.append(child.register_forward_pre_hook(before, with_kwargs=True))
@@ -466,6 +471,9 @@ def _probe_chain(module: nn.Module, first: nn.Module) -> _Parts | str:
             handle.remove()
         for m, mode in modes.items():
             m.training = mode
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
     return _chain_parts(module, x, calls, out)
 
 
@@ -484,14 +492,15 @@ def _chain_parts(
         "layer" if type(m) in (nn.Linear, nn.Conv2d) else "act" if _act_kind(m) else "leaf"
         for m, *_ in calls
     ]
-    if kinds[:2] != ["layer", "act"] or kinds.count("layer") != 2:
+    start = kinds.index("layer") if "layer" in kinds else len(kinds)
+    if kinds[start : start + 2] != ["layer", "act"] or kinds.count("layer") != 2:
         return "it did not call a layer, then the activation, then the other layer"
-    second = kinds.index("layer", 1)
-    first, act, layer2 = calls[0][0], calls[1][0], calls[second][0]
+    second = kinds.index("layer", start + 1)
+    first, act, layer2 = calls[start][0], calls[start + 1][0], calls[second][0]
     if first is layer2:
         return "it called one layer twice"
     names = {id(c): n for n, c in module.named_children()}
-    for m, one, seen, result, result_version in calls[2:second]:
+    for m, one, seen, result, result_version in calls[start + 2 : second]:
         # passing on means returning the input itself, unmodified: an in-place dropout
         # returns its input too, written over
         if result is not one or result_version != seen or m is act:
@@ -505,7 +514,8 @@ def _chain_parts(
         _act_kind(act) or "",
         (first.bias is not None, layer2.bias is not None),
     )
-    return _Parts(first, act, layer2, tuple(c[0] for c in calls[second + 1 :]), spec)
+    after = tuple(c[0] for c in calls[second + 1 :])
+    return _Parts(first, act, layer2, after, spec, tuple(c[0] for c in calls[:start]))
 
 
 def _recognised(module: nn.Module) -> _Parts | str:
@@ -544,14 +554,19 @@ def _functorch_running() -> bool:
     return peek is not None and peek() is not None
 
 
-def _call_problem(parts: _Parts, x: Any, tensors: list[torch.Tensor]) -> str | None:
-    """Why this call cannot run lean, or ``None``."""
+def _call_problem(
+    parts: _Parts, x: Any, tensors: list[torch.Tensor], layout: bool = True
+) -> str | None:
+    """Why this call cannot run lean, or ``None``; ``layout=False`` leaves the input's shape
+    and strides unchecked (the module's input, before leaves that make the lean part's)."""
     spec = parts.spec
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return "its input is not a floating-point tensor"
     if not all(_plain(t) for t in tensors) or _functorch_running():
         return "a tensor subclass or a torch.func transform (DTensor, vmap, grad) is involved"
-    if spec.first == "conv":
+    if not layout:
+        pass
+    elif spec.first == "conv":
         if x.dim() != 4:  # a 1x1 conv takes any layout: its backward is asked for the same
             return "its input is not a batch of images (N, C, H, W) for its first 1x1 conv"
     elif x.dim() < 2 or not x.is_contiguous():
@@ -571,16 +586,23 @@ def _call_problem(parts: _Parts, x: Any, tensors: list[torch.Tensor]) -> str | N
     return None
 
 
-def _prepared(module: nn.Module, x: Any) -> tuple[_Parts, list[torch.Tensor | None]] | str:
-    """The parts of ``module`` and the arguments of its lean call on ``x`` after the spec (its
-    input, layers' weights and biases, activation's parameters), or why it cannot run lean."""
-    parts = _recognised(module)  # the module may have changed since it was planned
-    if isinstance(parts, str):
-        return parts
+def _lean_args(parts: _Parts, x: Any, layout: bool = True) -> tuple[list[Any], str | None]:
+    """The arguments of the lean call on ``x`` after the spec (the lean part's input, layers'
+    weights and biases, activation's parameters), and why it cannot run lean, or ``None``."""
     first, second = parts.first, parts.second
     params = [parts.act.scale, parts.act.bias] if parts.spec.act == "star" else []
     args = [x, first.weight, first.bias, second.weight, second.bias, *params]
-    why = _call_problem(parts, x, [t for t in args if t is not None])
+    return args, _call_problem(parts, x, [t for t in args if t is not None], layout)
+
+
+def _prepared(module: nn.Module, x: Any) -> tuple[_Parts, list[torch.Tensor | None]] | str:
+    """The parts of ``module`` and the arguments of its lean call on ``x`` (for an MLP with
+    leaves before its first layer, checked on the module's input but for its layout: the
+    leaves, which have not run, make the lean part's), or why it cannot run lean."""
+    parts = _recognised(module)  # the module may have changed since it was planned
+    if isinstance(parts, str):
+        return parts
+    args, why = _lean_args(parts, x, layout=not parts.before)
     return why if why is not None else (parts, args)
 
 
@@ -601,7 +623,9 @@ def lean_mlp_call_problem(module: nn.Module, x: Any) -> str | None:
 
 def lean_mlp_forward(module: nn.Module, x: Any) -> tuple[torch.Tensor | None, str]:
     """``module(x)`` for a module :func:`lean_mlp_problem` accepts, with the lean backward
-    (NOTE [ Lean MLP ]); or ``(None, why)`` when this call must run the module's own forward.
+    (NOTE [ Lean MLP ]), and ``""``; or ``(None, why)`` when this call must run the module's own
+    forward; or, for an MLP with leaves before its first layer whose lean part cannot run lean
+    on their output, that output taken through the modules themselves, and why.
 
     >>> import torch
     >>> from timm.layers import Mlp
@@ -615,6 +639,15 @@ def lean_mlp_forward(module: nn.Module, x: Any) -> tuple[torch.Tensor | None, st
     if isinstance(prepared, str):
         return None, prepared
     parts, args = prepared
+    if parts.before:  # NOTE [ MLPs of any class ]: the leaves run once, whatever follows
+        for before in parts.before:
+            x = before(x)
+        args, why = _lean_args(parts, x)
+        if why is not None:
+            out = parts.second(parts.act(parts.first(x)))
+            for after in parts.after:
+                out = after(out)
+            return out, why
     device = x.device.type
     if torch.is_autocast_enabled(device):
         # autocast would cast the tensors for each layer: cast them once here, where autograd
