@@ -3,7 +3,8 @@
 Times every operator of one training step (forward and backward) of a few timm models, on one
 thread, and prints the FLOPs per second of the operators with FLOPs (convolutions, matrix
 products, fused attention: ``_price.op_flops``) and the bytes per second of the rest (views
-left out). Their ratio is what the modelled price's choices depend on.
+and ``aten._unsafe_view`` left out: ``_price.moves_nothing``). Their ratio is what the
+modelled price's choices depend on.
 
     python benchmarks/price_calibration.py --batch-size 8 \
         --models resnet50 vit_small_patch16_224 convnext_tiny
@@ -20,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from vision_ckpt._price import op_flops
+from vision_ckpt._price import moves_nothing, op_flops
 
 
 class _Timed(TorchDispatchMode):
@@ -33,7 +34,7 @@ class _Timed(TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **kwargs)
         spent = time.perf_counter() - start
-        if not func.is_view:
+        if not moves_nothing(func):
             moved = sum(
                 t.numel() * t.element_size()
                 for t in tree_leaves((args, kwargs, out))

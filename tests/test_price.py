@@ -48,6 +48,18 @@ def test_light_operators_cost_the_bytes_they_move_and_a_view_nothing() -> None:
     assert op_seconds(relu, (small,), {}, relu(small), "cuda") < one
 
 
+def test_a_product_on_tokens_costs_what_it_costs_on_their_rows() -> None:
+    """A linear layer without a bias on (batch, tokens, channels) returns through
+    aten._unsafe_view, which shares its argument's storage: it moves nothing."""
+    w = torch.randn(96, 64)
+    tokens = torch.randn(4, 49, 64)
+    with ModelledClock("cpu") as on_tokens:
+        torch.nn.functional.linear(tokens, w)
+    with ModelledClock("cpu") as on_rows:
+        torch.nn.functional.linear(tokens.reshape(-1, 64), w)
+    assert on_tokens.seconds == on_rows.seconds > 0
+
+
 def test_a_step_is_priced_alike_every_time_with_its_recomputation() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)])
