@@ -101,8 +101,8 @@ NOTES: dict[str, str] = {
     "ratios). Models no preset knows: "
     "derived levels (D) beside the structural fallback's top level (F) and the library's own "
     "switch where it has one, real steps; see [derive.md](derive.md).",
-    "hand_plans_b32": "Written by `python benchmarks/bench_plans.py` (one run per model, rows "
-    "merged; each row's command in the file): plans written by hand (`benchmarks/plans/`), the "
+    "hand_plans_b32": "Written by `python benchmarks/bench_plans.py`, one run per model, rows "
+    "merged (the commands below): plans written by hand (`benchmarks/plans/`), the "
     "MAnet one on top of its derived level 4, beside level 0, batch 32, real steps; whether a "
     "cheaper point than the derived levels exists near half of level 0's peak; see "
     "[derive.md](derive.md).",
