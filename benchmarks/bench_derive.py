@@ -71,13 +71,13 @@ MODELS = (
 MB = 2**20
 
 
-def _step(model: torch.nn.Module, x: torch.Tensor) -> None:
+def train_step(model: torch.nn.Module, x: torch.Tensor) -> None:
     for p in model.parameters():
         p.grad = None
     output_loss(model(x)).backward()
 
 
-def _peak(model: torch.nn.Module, x: torch.Tensor) -> int:
+def step_peak(model: torch.nn.Module, x: torch.Tensor) -> int:
     for p in model.parameters():
         p.grad = None
     gc.collect()
@@ -174,11 +174,11 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
     modelled0 = 0.0
     for label, m, source in runs:
         torch.manual_seed(1)
-        _step(m, x)
+        train_step(m, x)
         bn = _bn(m)
         reference = reference or bn
         exact = all(torch.equal(bn[k], reference[k]) for k in reference)
-        peak = _peak(m, x)
+        peak = step_peak(m, x)
         flops = _flops(m, x[:2])
         flops0 = flops0 or flops
         torch.manual_seed(1)
@@ -205,7 +205,7 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
         shift = round_ * len(runs) // max(1, reps)
         for label, m, _ in runs[shift:] + runs[:shift]:
             start = time.process_time()
-            _step(m, x)
+            train_step(m, x)
             times[label] = time.process_time() - start
         for label in times:
             ratios[label].append(times[label] / times["L0"])

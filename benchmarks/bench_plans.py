@@ -32,31 +32,17 @@ import yaml
 
 import vision_ckpt
 from vision_ckpt._measure import Workload
-from vision_ckpt._memory import track_peak_memory
 from vision_ckpt._price import modelled_step_seconds
 from vision_ckpt.derive import derive_preset
-from vision_ckpt.models import build_model, default_input_shape, output_loss, parse_input_shape
+from vision_ckpt.models import build_model, default_input_shape, parse_input_shape
 
-MB = 2**20
-
-
-def _step(model: torch.nn.Module, x: torch.Tensor) -> None:
-    for p in model.parameters():
-        p.grad = None
-    output_loss(model(x)).backward()
-
-
-def _peak(model: torch.nn.Module, x: torch.Tensor) -> int:
-    for p in model.parameters():
-        p.grad = None
-    with track_peak_memory(model, x) as mem:
-        output_loss(model(x)).backward()
-    return mem.peak_bytes - mem.start_bytes
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_derive import MB, step_peak, train_step  # noqa: E402  (a script beside this one)
 
 
 def _seconds(model: torch.nn.Module, x: torch.Tensor) -> float:
     start = time.process_time()
-    _step(model, x)
+    train_step(model, x)
     return time.process_time() - start
 
 
@@ -104,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model,
             "batch": args.batch_size,
             "plan": name,
-            "peak_mb": round(_peak(model, x) / MB, 1),
+            "peak_mb": round(step_peak(model, x) / MB, 1),
             "modelled": modelled_step_seconds(work, x),
         }
-        _step(model, x)  # warm
+        train_step(model, x)  # warm
         if config is not None:
             vision_ckpt.remove(model)
         print(f"{name:>24}: peak {rows[name]['peak_mb']:8.1f} MiB", flush=True)
