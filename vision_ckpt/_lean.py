@@ -337,12 +337,12 @@ def _timm_mlp(module: nn.Module) -> _Parts | str:
 # the chain to the second layer (the leaves' output is the lean part's input, so a call is
 # checked for lean once they have run, and a call that cannot run lean then goes on through
 # the modules themselves, never through a leaf twice) and calls the modules after it itself.
-# Invariant: a probe's verdict stands only while
-# the module's structure and its descendants' plain attributes (a drop probability, the
-# training flag) are those it was probed with; any change probes again, so a drop-path
-# switched on between the activation and the second layer is seen, never skipped. What no
-# probe sees, as no trace does: a forward that branches on its input's shape or values and
-# calls another chain for another input; such a module must not be given ``lean: true``.
+# Invariant: a probe's verdict stands only while the module's structure and its descendants'
+# plain attributes (a drop probability, the training flag) are those it was probed with; any
+# change probes again, so a drop-path switched on between the activation and the second layer
+# is seen, never skipped. What no probe sees, as no trace does: a forward that branches on its
+# input's shape or values and calls another chain for another input; such a module must not be
+# given ``lean: true``.
 
 
 def _structure(module: nn.Module) -> tuple[Any, ...]:
@@ -564,12 +564,10 @@ def _call_problem(
         return "its input is not a floating-point tensor"
     if not all(_plain(t) for t in tensors) or _functorch_running():
         return "a tensor subclass or a torch.func transform (DTensor, vmap, grad) is involved"
-    if not layout:
-        pass
-    elif spec.first == "conv":
+    if layout and spec.first == "conv":
         if x.dim() != 4:  # a 1x1 conv takes any layout: its backward is asked for the same
             return "its input is not a batch of images (N, C, H, W) for its first 1x1 conv"
-    elif x.dim() < 2 or not x.is_contiguous():
+    elif layout and (x.dim() < 2 or not x.is_contiguous()):
         return "its input is not a contiguous tensor of two or more dimensions"
     if not all(t.is_contiguous() for t in tensors[1:]):
         # autograd picks another product for a column-major weight (a transposed, tied one)
