@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,30 @@ def step_peak(model: torch.nn.Module, x: torch.Tensor) -> int:
     with track_peak_memory(model, x) as mem:
         output_loss(model(x)).backward()
     return mem.peak_bytes - mem.start_bytes
+
+
+def interleaved_ratios(steps: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+    """Each step's seconds over ``L0``'s in the same round, for ``reps`` rounds, the order of
+    the steps turned each round so that none always runs first; ``steps`` maps a label to a
+    call that runs one step and returns its seconds."""
+    labels = list(steps)
+    ratios: dict[str, list[float]] = {label: [] for label in labels}
+    for round_ in range(reps):
+        shift = round_ * len(labels) // max(1, reps)
+        times = {label: steps[label]() for label in labels[shift:] + labels[:shift]}
+        for label in times:
+            ratios[label].append(times[label] / times["L0"])
+        print(
+            f"  round {round_ + 1}: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()),
+            flush=True,
+        )
+    return ratios
+
+
+def _seconds(model: torch.nn.Module, x: torch.Tensor) -> float:
+    start = time.process_time()
+    train_step(model, x)
+    return time.process_time() - start
 
 
 def _flops(model: torch.nn.Module, x: torch.Tensor) -> int:
@@ -199,18 +225,8 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
             "derive_s": round(derive_s, 1) if label == "L0" else None,
         }
         print(f"  {label:>5}: peak {peak / MB:8.1f} MiB, bn exact {exact}", flush=True)
-    ratios: dict[str, list[float]] = {label: [] for label, _, _ in runs}
-    for round_ in range(reps):
-        times = {}
-        shift = round_ * len(runs) // max(1, reps)
-        for label, m, _ in runs[shift:] + runs[:shift]:
-            start = time.process_time()
-            train_step(m, x)
-            times[label] = time.process_time() - start
-        for label in times:
-            ratios[label].append(times[label] / times["L0"])
-        print(f"  round {round_ + 1}: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
-    for label, r in ratios.items():
+    steps = {label: functools.partial(_seconds, m, x) for label, m, _ in runs}
+    for label, r in interleaved_ratios(steps, reps).items():
         rows[label]["time_ratio"] = round(statistics.median(r), 3)
         rows[label]["time_rounds"] = " ".join(f"{v:.3f}" for v in r)  # the spread, as rendered
     return list(rows.values())

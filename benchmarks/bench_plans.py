@@ -19,6 +19,7 @@ beside level 0 in one process:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import statistics
@@ -37,23 +38,33 @@ from vision_ckpt.derive import derive_preset
 from vision_ckpt.models import build_model, default_input_shape, parse_input_shape
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_derive import MB, step_peak, train_step  # noqa: E402  (a script beside this one)
+from bench_derive import (  # noqa: E402  (a script beside this one)
+    MB,
+    interleaved_ratios,
+    step_peak,
+    train_step,
+)
 
 
-def _seconds(model: torch.nn.Module, x: torch.Tensor) -> float:
+def _seconds(model: torch.nn.Module, x: torch.Tensor, config: Any) -> float:
+    """One step's process CPU seconds with ``config`` applied (``None``: level 0)."""
+    if config is not None:
+        vision_ckpt.apply(model, config)
     start = time.process_time()
     train_step(model, x)
-    return time.process_time() - start
+    spent = time.process_time() - start
+    if config is not None:
+        vision_ckpt.remove(model)
+    return spent
 
 
 def _configs(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
     """Plan name -> config (``None``: level 0)."""
     base: list[Any] = []
+    configs: dict[str, Any] = {"L0": None}
     if args.derived is not None:
         found = derive_preset(model, x[:2], x.shape[0], floor=False)
         base = [r for r in found.rules if int(r.level) <= args.derived]
-    configs: dict[str, Any] = {"L0": None}
-    if args.derived is not None:
         configs[f"D{args.derived}"] = {"training_checkpoint_level": args.derived, "rules": base}
     for path in args.plans:
         plan = yaml.safe_load(Path(path).read_text())
@@ -97,20 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         if config is not None:
             vision_ckpt.remove(model)
         print(f"{name:>24}: peak {rows[name]['peak_mb']:8.1f} MiB", flush=True)
+    steps = {name: functools.partial(_seconds, model, x, c) for name, c in configs.items()}
+    rounds = interleaved_ratios(steps, args.reps)
     names = list(configs)
-    rounds: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.reps):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        spent = {}
-        for name in order:
-            if configs[name] is not None:
-                vision_ckpt.apply(model, configs[name])
-            spent[name] = _seconds(model, x)
-            if configs[name] is not None:
-                vision_ckpt.remove(model)
-        for name in names:
-            rounds[name].append(spent[name] / spent["L0"])
-        print(f"  round {r + 1}: " + ", ".join(f"{n} {spent[n]:.1f}s" for n in order), flush=True)
     l0_modelled = rows["L0"]["modelled"]
     for name in names:
         row = rows[name]
