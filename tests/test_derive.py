@@ -568,6 +568,60 @@ def test_a_module_the_planner_holds_as_a_stage_gets_its_rule(assert_exact, exact
     _every_level_is_exact(model, found, assert_exact, exact_step)
 
 
+class _Layer(nn.Module):
+    """conv-norm-act: one layer with a weight."""
+
+    def __init__(self, cin: int, cout: int, kernel: int = 1, groups: int = 1) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, kernel, padding=kernel // 2, groups=groups, bias=False)
+        self.norm = nn.BatchNorm2d(cout)
+        self.act = nn.Hardswish()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.norm(self.conv(x)))
+
+
+class _InvertedResidual(nn.Module):
+    """EfficientViT's MBConv: expand, depthwise, project (three layers of one structure, so
+    the trace's innermost repeated blocks), dropout, add."""
+
+    def __init__(self, width: int, expand: int = 4) -> None:
+        super().__init__()
+        hidden = width * expand
+        self.main = nn.Sequential(
+            _Layer(width, hidden), _Layer(hidden, hidden, 3, hidden), _Layer(hidden, width)
+        )
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.main(x))
+
+
+def test_a_stage_of_single_layers_is_recomputed_whole(derived, assert_exact, exact_step) -> None:
+    # the units are each MBConv's three layers; one by one, full, they keep three inputs, two
+    # at the expanded width; the MBConv recomputed whole keeps its own input alone (NOTE [ A
+    # stage recomputed whole ])
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.Sequential(*[_InvertedResidual(8) for _ in range(3)]),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
+    regions = regions_of(model, torch.randn(2, 3, 32, 32))
+    assert {regions.sizes[u.name] for u in regions.units if u.name.startswith("1.")} == {1}
+    found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
+    held = [lv.level for lv in found.levels if "held" in lv.strategies.values()]
+    assert held and held[0] <= 2
+    whole = {r.match for r in found.rules if r.keep is None and r.match.endswith(".main")}
+    assert whole == {"1.0.main", "1.1.main", "1.2.main"}
+    _every_level_is_exact(model, found, assert_exact, exact_step)
+    # a stage of blocks (the residual blocks of _Net) is not recomputed whole below level 5
+    ways = {s for lv in derived[1].levels for s in lv.strategies.values()}
+    assert not ways & {"held", "held_nested"}
+
+
 def test_a_lean_mlp_holding_a_region_of_the_plan_stays_plain(assert_exact, exact_step) -> None:
     # EdgeNeXt's last block of a stage is no member of the repeated blocks before it, so a run
     # inside its MLP (fc1 through norm) is a unit; the MLP, holding that region, cannot also be

@@ -295,7 +295,10 @@ def _related(a: str, b: str) -> bool:
 # the stage (its own bytes and operators), and one more forward, every stage selective, gives
 # its kept bytes. Those enter the chain less the stage's own keep bytes (which are in the base),
 # its transient is its keep bytes (its blocks' and its own) minus its kept bytes, its time the
-# operators selective recomputes in it (NOTE [ One strategy per block ], Spans).
+# operators selective recomputes in it (NOTE [ One strategy per block ], Spans). With ``held``
+# on the menu (the derivation's), one more forward, every stage one region recomputed whole,
+# gives what such a stage keeps, and its time is every operator in it (NOTE [ A stage
+# recomputed whole ] in ``derive``).
 #
 # Base. Level 0's step peak (extrapolated like every peak) minus the keep bytes of all blocks.
 # The step time with no checkpointing is measured at the small batches and extrapolated; the
@@ -636,6 +639,11 @@ def _measure_points(
             with applied(model, setup.every_stage):
                 for g, v in _saved_by_block(work, x, stages, runs).items():
                     kept["stage"][g].append((b, v))
+        if stages and "held" in menu:
+            whole = [LevelRule(match=exact_name_pattern(g), level=_LEVEL["full"]) for g in stages]
+            with applied(model, _only(setup.uniform["full"], whole)):
+                for g, v in _saved_by_block(work, x, stages, runs).items():
+                    kept["held"][g].append((b, v))
         for s in ("selective", "full"):
             if s in menu or (s == "full" and "nested" in menu):
                 with applied(model, setup.uniform[s]):
@@ -648,6 +656,7 @@ def _measure_points(
         for g, first, last in setup.groups:
             inside = [*names[first : last + 1], g]
             spent["stage"][g].append((b, sum(times.recomputed[n] for n in inside)))
+            spent["held"][g].append((b, sum(times.total[n] for n in inside)))
         for n in names:
             spent["full"][n].append((b, times.total[n]))
             spent["selective"][n].append((b, times.recomputed[n]))
@@ -704,7 +713,9 @@ def _block_menus(
 def _stage_spans(
     setup: _Setup, kept: _Points, spent: _Points, blocks: list[Block], target: int
 ) -> tuple[list[Span], list[dict[str, Any]]]:
-    """Each stage as one selective region over its blocks' chain, and the same as a table."""
+    """Each stage as one selective region over its blocks' chain and, where measured, as one
+    region recomputed whole (alone, and around its blocks recomputed whole), and the stages
+    as a table."""
     spans, stage_table = [], []
     for g, first, last in setup.groups:
         own = int(max(0.0, _line(kept["keep"][g], target)))
@@ -713,6 +724,19 @@ def _stage_spans(
         seconds = max(0.0, _proportional(spent["stage"][g], target))
         option = Option("stage", max(0, k - own), max(0, held - k), seconds)
         spans.append(Span(g, first, last, option))
+        if kept["held"].get(g):  # NOTE [ A stage recomputed whole ]
+            k = int(max(0.0, _line(kept["held"][g], target)))
+            seconds = max(0.0, _proportional(spent["held"][g], target))
+            whole = Option("held", max(0, k - own), max(0, held - k), seconds)
+            spans.append(Span(g, first, last, whole))
+            fulls = [
+                o for i in range(first, last + 1) for o in blocks[i].options if o.strategy == "full"
+            ]
+            if len(fulls) == last - first + 1:
+                inner = own + sum(o.kept for o in fulls) + max(o.transient for o in fulls)
+                time = seconds + sum(o.time for o in fulls)
+                again = Option("held_nested", whole.kept, max(0, inner - k), time)
+                spans.append(Span(g, first, last, again))
         stage_table.append(
             {
                 "name": g,
@@ -1147,7 +1171,7 @@ def least_memory(blocks: Sequence[Block], base: int, spans: Sequence[Span] = ())
     tell them apart: for full and selective alike it is the block's keep bytes, since what is
     not kept comes back during its backward."""
     options = [min(b.options, key=lambda o: (o.kept, o.transient, o.time)) for b in blocks]
-    taken = []
+    taken: list[Span] = []
     for span in sorted(spans, key=lambda s: s.first):
         inside = range(span.first, span.last + 1)
         if any(t.first <= span.last and span.first <= t.last for t in taken):

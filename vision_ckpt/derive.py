@@ -383,7 +383,15 @@ _ROUNDS = 3
 _TOP_SLACK = 0.02
 _STEP = 0.05
 _EXTRA_GAIN = 0.01
-_RANK = {"keep": 0, "selective": 1, "stage": 1, "full": 2, "nested": 3}
+_RANK = {
+    "keep": 0,
+    "selective": 1,
+    "stage": 1,
+    "full": 2,
+    "held": 2,
+    "nested": 3,
+    "held_nested": 3,
+}
 
 
 # a level's mix: unit -> strategy, the program's answer, the measured peak
@@ -391,9 +399,15 @@ _Best = tuple[dict[str, str], Choice, int]
 
 
 def _allowed(previous: str, option: str) -> bool:
+    """Whether a unit run ``previous`` at the level below may run ``option`` at this one: a
+    level only adds regions (NOTE [ Five levels from one menu ])."""
+    if previous in ("held", "held_nested"):  # a stage recomputed whole stays so
+        return option in ("held_nested", previous)
     if previous == "stage":
-        return option in ("full", "nested")
-    if previous == "selective" and option == "stage":
+        return option in ("stage", "full", "nested", "held", "held_nested")
+    if option == "held_nested":  # the stage whole around blocks recomputed whole (or kept)
+        return previous in ("keep", "full")
+    if previous == "selective" and option in ("stage", "held"):
         return False
     return _RANK[option] >= _RANK[previous]
 
@@ -414,11 +428,18 @@ def _restricted(
             and not (once and o.strategy == "nested" and before != "nested")
         ]
         blocks.append(Block(block.name, tuple(options)))
-    spans = [
-        s
-        for s in menus.spans
-        if all(previous[i] in ("keep", "stage") for i in range(s.first, s.last + 1))
-    ]
+    spans = []
+    for s in menus.spans:
+        inside = range(s.first, s.last + 1)
+        way = s.option.strategy
+        if way in ("held", "held_nested") and all(previous[i] == way for i in inside):
+            # a stage recomputed whole stays so: its blocks carry its price, as when chosen
+            for i, member in zip(inside, s.members(), strict=True):
+                blocks[i] = Block(blocks[i].name, (member,))
+        elif once and way == "held_nested":
+            continue  # a second recomputation: from level 4 on
+        elif all(_allowed(previous[i], way) for i in inside):
+            spans.append(s)
     return blocks, spans
 
 
@@ -432,7 +453,9 @@ class DerivedLevel:
 
     level: int
     strategies: dict[str, str]
-    """Unit -> ``keep``, ``selective``, ``full``, ``nested`` or ``stage``."""
+    """Unit -> ``keep``, ``selective``, ``full``, ``nested``, ``stage`` (its stage one selective
+    region), ``held`` (its stage one region recomputed whole) or ``held_nested`` (that, and
+    the unit recomputed whole again inside it): NOTE [ A stage recomputed whole ]."""
     lean: tuple[str, ...] = ()
     """MLPs run with the lean backward at this level."""
     whole: tuple[str, ...] = ()
@@ -453,7 +476,8 @@ class DerivedLevel:
         out: dict[str, int] = {}
         for strategy in self.strategies.values():
             out[strategy] = out.get(strategy, 0) + 1
-        return {k: out[k] for k in ("selective", "stage", "full", "nested") if k in out}
+        ways = ("selective", "stage", "held", "full", "nested", "held_nested")
+        return {k: out[k] for k in ways if k in out}
 
 
 @dataclass
@@ -600,15 +624,19 @@ def _emit(
     rules: list[LevelRule] = []
     for stage in dict.fromkeys(menus.stage_of.values()):
         inside = [b.name for b in menus.blocks if menus.stage_of.get(b.name) == stage]
-        first = _first([lv.get(inside[0], "keep") for lv in per_level], ("stage",))
+        ways = [lv.get(inside[0], "keep") for lv in per_level]
+        first = _first(ways, ("stage",))
         if first is not None:  # the planner's stage is a module: a traced stage, or one
             # holding two units of the trace's (GhostNet's shortcut holds two cut runs)
             rules.append(_rule(Span("module", stage, (stage,), 0), first, keep="heavy"))
+        held = _first(ways, ("held", "held_nested"))
+        if held is not None:
+            rules.append(_rule(Span("module", stage, (stage,), 0), held))
     for block in menus.blocks:
         sequence = [lv.get(block.name, "keep") for lv in per_level]
         span = spans[block.name]
         selective = _first(sequence, ("selective",))
-        full = _first(sequence, ("full", "nested"))
+        full = _first(sequence, ("full", "nested", "held_nested"))
         nested = _first(sequence, ("nested",))
         if selective is not None:
             rules.append(_rule(span, selective, keep="heavy"))
@@ -846,8 +874,9 @@ def derive_preset(
         base = CheckpointConfig(preset=None, rules=regions.base_rules())
         # modelled prices: the same derivation on every run (NOTE [ A modelled price ])
         menus = measure_menus(
-            work, target, base, ("keep", "selective", "full", "nested", "stage"), None, True
+            work, target, base, ("keep", "selective", "full", "nested", "stage", "held"), None, True
         )
+        menus.spans = _small_stages_whole(menus, regions)
         levels, rules = _levels(work, regions, menus, target)
         floor_bytes = _floor_at(model, work, target, loss_fn) if floor else None
         bundled = preset_for_model(model)
@@ -869,6 +898,47 @@ def derive_preset(
         compared=compared,
         bundled=bundled,
     )
+
+
+# NOTE [ A stage recomputed whole ]
+#
+# The units are the trace's innermost repeated blocks, and sometimes those are the single
+# layers of a larger block: EfficientViT's MBConv is three conv-norm-act layers of one
+# structure, MAnet's decoder blocks and VNet's down-transitions hold a sequence of two or more
+# conv layers. The block itself is then what the planner calls a stage (it holds a run of
+# units), and a stage was on the menu only as one selective region: recomputed layer by layer,
+# an MBConv keeps the input of each of its three layers, two of them at the expanded width,
+# where the block recomputed whole keeps its own input alone. EfficientViT-B0's blocks of its
+# first two stages recomputed whole by hand held 0.42x level 0's peak for 1.23x its modelled
+# time (hand_plans_b32); its derived level 2 paid 1.32x for 0.40x.
+#
+# So the program is also offered such a stage as one region with nothing kept (``held``): it
+# keeps the stage's input (measured, every stage one such region, less the stage's own bytes,
+# which the base holds, as for ``stage``), brings back all its units' and its own bytes while
+# its backward runs, and costs every operator in it once; from level 4 on also with its units
+# recomputed whole again inside it (``held_nested``: while the stage's backward runs, its own
+# bytes, its units' inputs and one unit's bytes; each unit's forward a second time). A held
+# stage stays held (or becomes held_nested) at the levels above, so the levels remain one
+# preset of "from level k on" rules: the stage's rule from the level that holds it, its units'
+# full rules from the level that nests them.
+#
+# Only stages whose units are all single layers (NOTE [ The size table's rows ]): such a
+# stage is a small block, one recomputation like any other unit's. A stage of blocks is a
+# large module, offered whole from level 5 (``whole``); offered at every level, held stages
+# chose ResNet-50's level 1 at batch 32 and, since a held stage's blocks cannot go full one
+# by one above it, locked the levels above: level 2 at 1413 MiB against 951, the top at 923
+# against 739. Models with no stage of single layers derive what they derived before.
+
+
+def _small_stages_whole(menus: Menus, regions: Regions) -> list[ChainSpan]:
+    """The stages on the menu, recomputed whole only where they hold single layers (NOTE [ A
+    stage recomputed whole ])."""
+    return [
+        s
+        for s in menus.spans
+        if s.option.strategy not in ("held", "held_nested")
+        or all(regions.sizes.get(b.name, 2) == 1 for b in menus.blocks[s.first : s.last + 1])
+    ]
 
 
 @dataclass
