@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["resnet50", "vit_small_patch16_224"])
     args = parser.parse_args()
     torch.set_num_threads(1)
+    pooled = [0.0, 0.0, 0.0, 0.0]  # FLOPs, their seconds, bytes, their seconds
     for name in args.models:
         model = timm.create_model(name, pretrained=False)
         x = torch.randn(args.batch_size, 3, 224, 224)
@@ -62,6 +63,10 @@ def main() -> None:
         light = [r for r in timed.rows if r[1] == 0]
         flops_rate = sum(r[1] for r in heavy) / sum(r[3] for r in heavy)
         bytes_rate = sum(r[2] for r in light) / sum(r[3] for r in light)
+        pooled[0] += sum(r[1] for r in heavy)
+        pooled[1] += sum(r[3] for r in heavy)
+        pooled[2] += sum(r[2] for r in light)
+        pooled[3] += sum(r[3] for r in light)
         print(
             f"{name}: heavy {flops_rate / 1e9:.0f} GFLOP/s over {sum(r[3] for r in heavy):.2f} s, "
             f"light {bytes_rate / 1e9:.2f} GB/s over {sum(r[3] for r in light):.2f} s, "
@@ -76,6 +81,11 @@ def main() -> None:
             "  slowest light operators: "
             + ", ".join(f"{op} {m / s / 1e9:.1f} GB/s ({s:.2f} s)" for op, (m, s) in slowest)
         )
+    flops_rate, bytes_rate = pooled[0] / pooled[1], pooled[2] / pooled[3]
+    print(
+        f"all models: heavy {flops_rate / 1e9:.0f} GFLOP/s, light {bytes_rate / 1e9:.2f} GB/s, "
+        f"ratio {flops_rate / bytes_rate:.1f} FLOPs per byte"
+    )
 
 
 if __name__ == "__main__":

@@ -43,11 +43,17 @@ __all__ = ["ModelledClock", "modelled_step_seconds", "moves_nothing", "op_flops"
 # and GPUs which recomputation is cheap.
 #
 # Only the ratio F / B changes which plan is fastest; the scale only makes the figures
-# readable as seconds. The CPU figures were measured on this project's 2-core machine, one
-# thread, over the operators of a training step of ResNet-50, ViT-S/16 and ConvNeXt-T at batch
-# 8 (benchmarks/price_calibration.py): 97-271 GFLOP/s for the heavy operators, 5.0-7.5 GB/s
-# for the rest. The CUDA figures are an H100's data-sheet order for FP32/TF32 work and HBM
-# (not measured here); their ratio is within a factor of two of the CPU's.
+# readable as seconds. The CPU figures were first measured on this project's 2-core machine,
+# one thread, over the operators of a training step of ResNet-50, ViT-S/16 and ConvNeXt-T at
+# batch 8 (benchmarks/price_calibration.py): 97-271 GFLOP/s for the heavy operators, 5.0-7.5
+# GB/s for the rest. Measured again alone at batch 32, with LeViT-128 and EfficientViT-B0
+# too, the pooled figures are 110 GFLOP/s and 12 GB/s (ratio 9, against the price's 14; per
+# model 2.7-13.5), so the price over-charges norms and activations on this CPU. Priced at
+# (1.1e11, 1.2e10), three of LeViT-128, EfficientViT-B0, FastViT-T8 and Hugging Face LeViT
+# derive other plans at batch 32 (one level moves, by up to 7% of its peak, and the modelled
+# time of each level by 1-3%): a change of the rates is a re-measurement of every derived
+# preset, not made yet. The CUDA figures are an H100's data-sheet order for FP32/TF32 work
+# and HBM (not measured here); their ratio is within a factor of two of the CPU's.
 
 _RATES: dict[str, tuple[float, float]] = {
     "cpu": (1.0e11, 7.0e9),
