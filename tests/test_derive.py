@@ -622,6 +622,37 @@ def test_a_stage_of_single_layers_is_recomputed_whole(derived, assert_exact, exa
     assert not ways & {"held", "held_nested"}
 
 
+class _ConvStack(nn.Module):
+    """Three conv layers of one structure (VNet's transitions), added to the input."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.main = nn.Sequential(*[_Layer(width, width, 3) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.main(x)
+
+
+def test_a_stage_whole_around_its_layers_whole_starts_at_level_4(assert_exact, exact_step):
+    # a second recomputation of the layers (held_nested), as nested blocks, is a large module
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.Sequential(*[_ConvStack(16) for _ in range(3)]),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
+    found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
+    nested = [lv.level for lv in found.levels if "held_nested" in lv.strategies.values()]
+    assert nested and nested[0] >= 4
+    whole = {r.match: r.level for r in found.rules if r.keep is None and r.match.endswith(".main")}
+    layers = {r.match: r.level for r in found.rules if r.keep is None and ".main." in r.match}
+    assert set(whole) == {"1.0.main", "1.1.main", "1.2.main"}
+    assert min(layers.values()) < 4  # the layers were full before their stages were held
+    _every_level_is_exact(model, found, assert_exact, exact_step)
+
+
 def test_a_lean_mlp_holding_a_region_of_the_plan_stays_plain(assert_exact, exact_step) -> None:
     # EdgeNeXt's last block of a stage is no member of the repeated blocks before it, so a run
     # inside its MLP (fc1 through norm) is a unit; the MLP, holding that region, cannot also be
