@@ -910,7 +910,8 @@ def derive_preset(
 # an MBConv keeps the input of each of its three layers, two of them at the expanded width,
 # where the block recomputed whole keeps its own input alone. EfficientViT-B0's blocks of its
 # first two stages recomputed whole by hand held 0.42x level 0's peak for 1.23x its modelled
-# time (hand_plans_b32); its derived level 2 paid 1.32x for 0.40x.
+# time (hand_plans_b32); its derived level 2 paid 1.32x for 0.40x. With the stage below on
+# the menu, its level 2 holds 0.36x for 1.26x (derive_nopreset_b32).
 #
 # So the program is also offered such a stage as one region with nothing kept (``held``): it
 # keeps the stage's input (measured, every stage one such region, less the stage's own bytes,
