@@ -597,18 +597,23 @@ class _InvertedResidual(nn.Module):
         return x + self.drop(self.main(x))
 
 
+def _stem_stack_head(blocks: list[nn.Module], width: int) -> nn.Module:
+    """A conv stem, ``blocks`` in an ``nn.Sequential`` (module ``1``), pooling and a head."""
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1),
+        nn.Sequential(*blocks),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width, 10),
+    )
+
+
 def test_a_stage_of_single_layers_is_recomputed_whole(derived, assert_exact, exact_step) -> None:
     # the units are each MBConv's three layers; one by one, full, they keep three inputs, two
     # at the expanded width; the MBConv recomputed whole keeps its own input alone (NOTE [ A
     # stage recomputed whole ])
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.Sequential(*[_InvertedResidual(8) for _ in range(3)]),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(8, 10),
-    )
+    model = _stem_stack_head([_InvertedResidual(8) for _ in range(3)], 8)
     regions = regions_of(model, torch.randn(2, 3, 32, 32))
     assert {regions.sizes[u.name] for u in regions.units if u.name.startswith("1.")} == {1}
     found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
@@ -636,13 +641,7 @@ class _ConvStack(nn.Module):
 def test_a_stage_whole_around_its_layers_whole_starts_at_level_4(assert_exact, exact_step):
     # a second recomputation of the layers (held_nested), as nested blocks, is a large module
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.Sequential(*[_ConvStack(16) for _ in range(3)]),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(16, 10),
-    )
+    model = _stem_stack_head([_ConvStack(16) for _ in range(3)], 16)
     found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
     nested = [lv.level for lv in found.levels if "held_nested" in lv.strategies.values()]
     assert nested and nested[0] >= 4
