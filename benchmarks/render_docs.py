@@ -98,8 +98,9 @@ NOTES: dict[str, str] = {
     "PoolFormer again after the lean MLP took 1x1 convolutions and StarReLU; Hugging Face LeViT "
     "and CAFormer-S18 again after the modelled price stopped charging `aten._unsafe_view` as a "
     "copy (their plans changed; the other models' did not, and keep the old price's modelled "
-    "ratios); EfficientViT-B0 and MAnet (one process), then VNet beside a smoke run, again "
-    "after a stage of single layers could be recomputed whole (only their plans changed). "
+    "ratios); MAnet, EfficientViT-B0 (alone, eleven rounds: two five-round runs had given "
+    "1.11x and 1.24x for its level 2) and VNet (beside a smoke run) again after a stage of "
+    "single layers could be recomputed whole (only their plans changed). "
     "Models no preset knows: "
     "derived levels (D) beside the structural fallback's top level (F) and the library's own "
     "switch where it has one, real steps; see [derive.md](derive.md).",
