@@ -100,8 +100,9 @@ NOTES: dict[str, str] = {
     "copy (their plans changed; the other models' did not, and keep the old price's modelled "
     "ratios); MAnet, EfficientViT-B0 (alone, eleven rounds: two five-round runs had given "
     "1.11x and 1.24x for its level 2) and VNet (beside a smoke run) again after a stage of "
-    "single layers could be recomputed whole (only their plans changed); FastViT-T8 again, "
-    "alone, eleven rounds (same plans). "
+    "single layers could be recomputed whole (only their plans changed); FastViT-T8 alone, "
+    "then Hugging Face PoolFormer and CAFormer-S18 (one process, CAFormer-S18 beside a test "
+    "run) again over eleven rounds (same plans). "
     "Models no preset knows: "
     "derived levels (D) beside the structural fallback's top level (F) and the library's own "
     "switch where it has one, real steps; see [derive.md](derive.md).",
