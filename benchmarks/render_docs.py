@@ -110,7 +110,8 @@ NOTES: dict[str, str] = {
     "merged (the commands below): plans written by hand (`benchmarks/plans/`), the "
     "MAnet one on top of its derived level 4, beside level 0, batch 32, real steps; whether a "
     "cheaper point than the derived levels exists near half of level 0's peak (see "
-    "[derive.md](derive.md)), and what TinyViT's norm-first MLPs made lean alone take off.",
+    "[derive.md](derive.md)), and what TinyViT's norm-first MLPs made lean alone take off. "
+    "LeViT-128 and EfficientViT-B0 are eleven rounds, the others five.",
     "presets_b8": "Written by `python benchmarks/bench_presets.py --batch-sizes 8 --reps 1 "
     "--variants L0,L1,L2,L3,L4,L5 --threads 1` after issue 25's region model (one rung type, "
     "one nesting rule, one keep policy, spans built by the plan): every level's peak of the six "
