@@ -15,6 +15,8 @@ from torch import nn
 
 import vision_ckpt
 from vision_ckpt import derive_preset
+from vision_ckpt._optimise import Block, Option, Span
+from vision_ckpt._planner import least_memory
 from vision_ckpt.cli import main
 from vision_ckpt.derive import regions_of
 from vision_ckpt.errors import ConfigError
@@ -638,18 +640,35 @@ class _ConvStack(nn.Module):
         return x + self.main(x)
 
 
-def test_a_stage_whole_around_its_layers_whole_starts_at_level_4(assert_exact, exact_step):
-    # a second recomputation of the layers (held_nested), as nested blocks, is a large module
+def test_a_stage_whole_around_its_layers_whole_is_a_second_recomputation(assert_exact, exact_step):
+    # a second recomputation of the layers (held_nested), as nested blocks, is a large module:
+    # from level 4, or at level 3 past the knee, where one recomputation makes no step from
+    # level 2 (NOTE [ Five levels from one menu ])
     torch.manual_seed(0)
     model = _stem_stack_head([_ConvStack(16) for _ in range(3)], 16)
     found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
     nested = [lv.level for lv in found.levels if "held_nested" in lv.strategies.values()]
-    assert nested and nested[0] >= 4
+    assert nested and nested[0] >= 3
+    if nested[0] == 3:
+        assert found.levels[2].peak <= found.levels[1].peak * 0.95
     whole = {r.match: r.level for r in found.rules if r.keep is None and r.match.endswith(".main")}
     layers = {r.match: r.level for r in found.rules if r.keep is None and ".main." in r.match}
-    assert set(whole) == {"1.0.main", "1.1.main", "1.2.main"}
+    assert whole and set(whole) <= {"1.0.main", "1.1.main", "1.2.main"}, whole
     assert min(layers.values()) < 4  # the layers were full before their stages were held
     _every_level_is_exact(model, found, assert_exact, exact_step)
+
+
+def test_least_memory_takes_a_stages_leanest_way() -> None:
+    # two ways over the same blocks: the one that keeps fewer bytes is the least memory, in
+    # whatever order the menus list them
+    keep = Option("keep", 10, 0, 0.0)
+    blocks = [Block("a", (keep,)), Block("b", (keep,))]
+    selective = Span("s", 0, 1, Option("stage", 12, 8, 1.0))
+    whole = Span("s", 0, 1, Option("held", 2, 18, 2.0))
+    for spans in ([selective, whole], [whole, selective]):
+        least = least_memory(blocks, 0, spans)
+        assert [s.option.strategy for s in least.spans] == ["held"]
+        assert least.peak == 20
 
 
 def test_a_lean_mlp_holding_a_region_of_the_plan_stays_plain(assert_exact, exact_step) -> None:

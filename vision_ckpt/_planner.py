@@ -1167,12 +1167,17 @@ def planner_frontier(
 
 def least_memory(blocks: Sequence[Block], base: int, spans: Sequence[Span] = ()) -> Choice:
     """Per block the option that keeps the fewest bytes (ties: the smaller transient, then the
-    faster), and each stage that keeps fewer than its blocks would. Kept + transient would not
-    tell them apart: for full and selective alike it is the block's keep bytes, since what is
-    not kept comes back during its backward."""
-    options = [min(b.options, key=lambda o: (o.kept, o.transient, o.time)) for b in blocks]
+    faster), and each stage that keeps fewer than its blocks would, in the way that keeps the
+    fewest (same ties). Kept + transient would not tell them apart: for full and selective
+    alike it is the block's keep bytes, since what is not kept comes back during its
+    backward."""
+
+    def fewest(o: Option) -> tuple[int, int, float]:
+        return o.kept, o.transient, o.time
+
+    options = [min(b.options, key=fewest) for b in blocks]
     taken: list[Span] = []
-    for span in sorted(spans, key=lambda s: s.first):
+    for span in sorted(spans, key=lambda s: (s.first, *fewest(s.option))):
         inside = range(span.first, span.last + 1)
         if any(t.first <= span.last and span.first <= t.last for t in taken):
             continue
