@@ -621,8 +621,10 @@ def test_a_stage_of_single_layers_is_recomputed_whole(derived, assert_exact, exa
     found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
     held = [lv.level for lv in found.levels if "held" in lv.strategies.values()]
     assert held and held[0] <= 2
-    whole = {r.match for r in found.rules if r.keep is None and r.match.endswith(".main")}
-    assert whole == {"1.0.main", "1.1.main", "1.2.main"}
+    # the residual block, its dropout a unit beside the MBConv's layers, is the block of single
+    # layers (NOTE [ A block of single layers ])
+    whole = {r.match for r in found.rules if r.keep is None and r.match.count(".") == 1}
+    assert whole and whole <= {"1.0", "1.1", "1.2"}, whole
     _every_level_is_exact(model, found, assert_exact, exact_step)
     # a stage of blocks (the residual blocks of _Net) is not recomputed whole below level 5
     ways = {s for lv in derived[1].levels for s in lv.strategies.values()}
@@ -655,6 +657,59 @@ def test_a_stage_whole_around_its_layers_whole_is_a_second_recomputation(assert_
     layers = {r.match: r.level for r in found.rules if r.keep is None and ".main." in r.match}
     assert whole and set(whole) <= {"1.0.main", "1.1.main", "1.2.main"}, whole
     assert min(layers.values()) < 4  # the layers were full before their stages were held
+    _every_level_is_exact(model, found, assert_exact, exact_step)
+
+
+class _Fuse(nn.Module):
+    """MAnet's attention decoder block in small: a repeated pair of layers on the coarse input,
+    an upsampling, a gate on the skip, a concatenation and two more layers; no sequence repeats
+    the block's own operations, so it is neither a unit nor a stage of the trace."""
+
+    def __init__(self, cin: int, cskip: int, cout: int) -> None:
+        super().__init__()
+        self.pair = nn.Sequential(_Layer(cin, cin, 3), _Layer(cin, cout))
+        self.gate = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(cskip, cskip, 1), nn.Sigmoid())
+        self.conv1 = _Layer(cout + cskip, cout, 3)
+        self.conv2 = _Layer(cout, cout, 3)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.interpolate(self.pair(x), scale_factor=2.0)
+        x = torch.cat([x, skip * self.gate(skip)], dim=1)
+        return self.conv2(self.conv1(x))
+
+
+class _UNet(nn.Module):
+    """A stem, two downsampling layers and two _Fuse blocks back up to the stem's scale."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        w = width
+        self.stem = _Layer(3, w, 3)
+        self.down = nn.ModuleList(
+            [nn.Sequential(nn.MaxPool2d(2), _Layer(w * 2**i, w * 2 ** (i + 1), 3)) for i in (0, 1)]
+        )
+        self.up = nn.ModuleList([_Fuse(4 * w, 2 * w, 2 * w), _Fuse(2 * w, w, w)])
+        self.head = nn.Conv2d(w, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s0 = self.stem(x)
+        s1 = self.down[0](s0)
+        y = self.up[0](self.down[1](s1), s1)
+        return self.head(self.up[1](y, s0))
+
+
+def test_a_block_of_single_layers_is_a_stage_recomputed_whole(assert_exact, exact_step) -> None:
+    # NOTE [ A block of single layers ]: the decoder block, not its repeated pair, is the stage
+    torch.manual_seed(0)
+    model = _UNet()
+    regions = regions_of(model, torch.randn(2, 3, 32, 32))
+    stages = {s.name for s in regions.stages}
+    assert {"up.0", "up.1"} <= stages and not {"up.0.pair", "up.1.pair"} & stages, stages
+    found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
+    held = [lv.level for lv in found.levels if "held" in lv.strategies.values()]
+    assert held, [lv.strategies for lv in found.levels]  # the program's, not level 5's addition
+    whole = {r.match for r in found.rules if r.keep is None and r.match.startswith("up.")}
+    assert whole & {"up.0", "up.1"}, whole
     _every_level_is_exact(model, found, assert_exact, exact_step)
 
 

@@ -250,9 +250,12 @@ def _holds_repeats(entry: Any, entries: list[Any]) -> bool:
     return any(inside.count(c) >= 2 for c in set(inside))
 
 
-def _stage_groups(plan: Any, names: Sequence[str]) -> list[tuple[str, int, int]]:
+def _stage_groups(
+    plan: Any, names: Sequence[str], outer: Sequence[str] = ()
+) -> list[tuple[str, int, int]]:
     """``(module, first, last)`` for the innermost plan entries (not the model itself) that hold
-    two or more consecutive candidate blocks and no other candidate: the stages."""
+    two or more consecutive candidate blocks and no other candidate: the stages; a module of
+    ``outer`` that holds such blocks is a stage in place of those inside it."""
     out = []
     for entry in plan.entries:
         inside = [i for i, n in enumerate(names) if n.startswith(entry.name + ".")]
@@ -262,6 +265,14 @@ def _stage_groups(plan: Any, names: Sequence[str]) -> list[tuple[str, int, int]]
             continue
         out = [g for g in out if not entry.name.startswith(g[0] + ".")]  # keep the innermost
         out.append((entry.name, inside[0], inside[-1]))
+    for name in outer:
+        inside = [i for i, n in enumerate(names) if n.startswith(name + ".")]
+        if len(inside) < 2 or inside != list(range(inside[0], inside[-1] + 1)):
+            continue
+        if any(name.startswith(g + ".") for g, _, _ in out):
+            continue
+        out = [g for g in out if g[0] != name and not g[0].startswith(name + ".")]
+        out = sorted([*out, (name, inside[0], inside[-1])], key=lambda g: g[1])
     return out
 
 
@@ -559,9 +570,15 @@ class _Setup:
     candidates: list[Any]
 
 
-def _setup(model: torch.nn.Module, base_config: CheckpointConfig, menu: tuple[str, ...]) -> _Setup:
-    """The candidate blocks of ``base_config``'s plan, their inner regions and stages, and the
-    configs that run every block one way (NOTE [ Pricing the strategies of a block ])."""
+def _setup(
+    model: torch.nn.Module,
+    base_config: CheckpointConfig,
+    menu: tuple[str, ...],
+    outer: Sequence[str] = (),
+) -> _Setup:
+    """The candidate blocks of ``base_config``'s plan, their inner regions and stages (those of
+    ``outer`` in place of the stages inside them), and the configs that run every block one way
+    (NOTE [ Pricing the strategies of a block ])."""
     full_plan = _with_stage_blocks(model, base_config, _plan(model, base_config))
     candidates = _candidate_blocks(full_plan)
     if not candidates:
@@ -588,7 +605,7 @@ def _setup(model: torch.nn.Module, base_config: CheckpointConfig, menu: tuple[st
         for n in names
     }
     inner_all = [i for n in names for i in inner_of[n]]
-    groups = _stage_groups(full_plan, names) if "stage" in menu else []
+    groups = _stage_groups(full_plan, names, outer) if "stage" in menu else []
     return _Setup(
         names=names,
         runs=runs,
@@ -735,7 +752,10 @@ def _stage_spans(
             if len(fulls) == last - first + 1:
                 inner = own + sum(o.kept for o in fulls) + max(o.transient for o in fulls)
                 time = seconds + sum(o.time for o in fulls)
-                again = Option("held_nested", whole.kept, max(0, inner - k), time)
+                # never more than the stage brings back whole (shared inputs count once)
+                again = Option(
+                    "held_nested", whole.kept, min(whole.transient, max(0, inner - k)), time
+                )
                 spans.append(Span(g, first, last, again))
         stage_table.append(
             {
@@ -756,12 +776,13 @@ def measure_menus(
     menu: tuple[str, ...],
     limit: int | None,
     modelled: bool = False,
+    outer: Sequence[str] = (),
 ) -> Menus:
     """Price every candidate block's menu at ``target`` (NOTE [ Pricing the strategies of a
     block ]), in timed seconds or, with ``modelled``, in the modelled seconds of NOTE [ A
-    modelled price ] (``_price``), which are the same on every run. The model must be restored
-    by the caller."""
-    setup = _setup(work.model, base_config, menu)
+    modelled price ] (``_price``), which are the same on every run; ``outer``: modules priced
+    as stages in place of the stages inside them. The model must be restored by the caller."""
+    setup = _setup(work.model, base_config, menu, outer)
     kept, spent, step_time = _measure_points(work, target, setup, menu, modelled)
     blocks, table = _block_menus(setup, kept, spent, menu, target)
     spans, stage_table = _stage_spans(setup, kept, spent, blocks, target)

@@ -73,7 +73,9 @@ __all__ = [
 # - Sizes: each unit and inner region has a row of the size table (NOTE [ The size table's
 #   rows ]), which anchors levels 2 and 3.
 # - Stages: what holds a sequence of blocks may run as one selective region (the planner's
-#   ``stage`` option), and a stack of three or more units as groups of about sqrt(n).
+#   ``stage`` option), and a stack of three or more units as groups of about sqrt(n). A module
+#   whose units are single layers beside operations of its own is a stage too, in place of
+#   the stages inside it (NOTE [ A block of single layers ]).
 # - Lean MLPs (``_lean``): not a region; a lean MLP inside a run is cut out of it as an inner
 #   region of its own (a run calls its members' own forwards, so it could not run lean).
 #   Lean MLPs are decided before the levels, groups tried on top of them (NOTE [ Five levels
@@ -258,7 +260,61 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
     sizes: dict[str, int] = {}
     for span in [*units, *(p for ps in inner.values() for p in ps)]:
         sizes[span.name] = _size(model, span, inner)
+    holders = _layer_blocks(spans, units, sizes)
+    stages = [s for s in stages if not any(_inside(s.name, h.name) for h in holders)]
+    stages = sorted([*stages, *holders], key=lambda s: s.order)
     return Regions(units, inner, stages, lean, groups, sizes)
+
+
+# NOTE [ A block of single layers ]
+#
+# The units are the trace's innermost repeated blocks and the runs and modules around them, so
+# a module that no sequence repeats inside can hold several units that are single layers with
+# operations of its own between them: MAnet's attention decoder block (a repeated pair of conv
+# layers, two squeeze-excitations, an upsampling, a product, a concatenation, two more conv
+# layers), VNet's transitions (a strided conv, a repeated sequence of conv layers, a residual
+# sum). By the size table such a module is a small block, yet it was neither a unit nor a
+# stage: the program could recompute its layers one by one, each keeping its input, or its
+# repeated pair whole, never the block whole keeping its own inputs alone. MAnet's decoder
+# blocks recomputed whole by hand, on top of its derived level 4, held 0.46x level 0's peak for
+# 1.28x its modelled time; its derived levels went from 0.64x to 0.33x at 1.81x.
+#
+# Such a module is a stage, in place of the stages inside it, and, made of single layers, it
+# is offered whole (NOTE [ A stage recomputed whole ]). It is a module the forward calls, no
+# unit and in none, that holds two or more units, one after another, all single layers (a
+# unit holding units, a squeeze-excitation and the two runs it is cut into, counts by those);
+# a repeated block inside it must be one of those units (a stage of MBConv blocks holds only
+# single layers, but its repeated blocks are the MBConvs: it stays a stage of blocks), and no
+# one stage inside it may hold all of them (a residual wrapper around an MBConv adds a sum,
+# nothing kept: the MBConv is the block). The outermost such module is taken. The planner
+# prices it as a stage in place of the stages inside it (``measure_menus``'s ``outer``).
+
+
+def _layer_blocks(
+    spans: Sequence[Span], units: Sequence[Span], sizes: dict[str, int]
+) -> list[Span]:
+    """The modules that are blocks of single layers (NOTE [ A block of single layers ])."""
+    names = [u.name for u in units]
+    stages = {s.name for s in spans if s.kind == "stage"}
+    repeated = {s.name for s in spans if s.kind == "block"}
+    found: dict[str, Span] = {}
+    for span in spans:
+        m = span.name
+        if span.kind not in ("module", "block") or not m or m in found or m in stages:
+            continue
+        if any(m == u or _inside(m, u) for u in names):  # a unit, or inside one
+            continue
+        if any(_inside(b, m) and b not in names for b in repeated):  # a stage of blocks
+            continue
+        inside = [i for i, n in enumerate(names) if _inside(n, m)]
+        layers = [names[i] for i in inside if not any(_inside(o, names[i]) for o in names)]
+        if len(layers) < 2 or any(sizes.get(n) != 1 for n in layers):
+            continue
+        if any(all(_inside(n, g) for n in layers) for g in stages if _inside(g, m)):
+            continue  # one stage inside holds them all: that stage is the block
+        if inside == list(range(inside[0], inside[-1] + 1)):  # one after another
+            found[m] = span
+    return [s for s in found.values() if not any(_inside(s.name, o) for o in found)]
 
 
 # NOTE [ The size table's rows ]
@@ -873,9 +929,9 @@ def derive_preset(
             )
         base = CheckpointConfig(preset=None, rules=regions.base_rules())
         # modelled prices: the same derivation on every run (NOTE [ A modelled price ])
-        menus = measure_menus(
-            work, target, base, ("keep", "selective", "full", "nested", "stage", "held"), None, True
-        )
+        menu = ("keep", "selective", "full", "nested", "stage", "held")
+        outer = [s.name for s in regions.stages if s.kind != "stage"]  # blocks of single layers
+        menus = measure_menus(work, target, base, menu, None, True, outer)
         menus.spans = _small_stages_whole(menus, regions)
         levels, rules = _levels(work, regions, menus, target)
         floor_bytes = _floor_at(model, work, target, loss_fn) if floor else None
@@ -934,11 +990,14 @@ def derive_preset(
 def _small_stages_whole(menus: Menus, regions: Regions) -> list[ChainSpan]:
     """The stages on the menu, recomputed whole only where they hold single layers (NOTE [ A
     stage recomputed whole ])."""
+
+    def layers_only(span: ChainSpan) -> bool:  # a unit holding units counts by those
+        inside = [u.name for u in regions.units if _inside(u.name, span.name)]
+        innermost = [n for n in inside if not any(_inside(o, n) for o in inside)]
+        return bool(innermost) and all(regions.sizes.get(n, 2) == 1 for n in innermost)
+
     return [
-        s
-        for s in menus.spans
-        if s.option.strategy not in ("held", "held_nested")
-        or all(regions.sizes.get(b.name, 2) == 1 for b in menus.blocks[s.first : s.last + 1])
+        s for s in menus.spans if s.option.strategy not in ("held", "held_nested") or layers_only(s)
     ]
 
 
