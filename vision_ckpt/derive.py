@@ -290,6 +290,12 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
 # prices it as a stage in place of the stages inside it (``measure_menus``'s ``outer``).
 
 
+def _innermost_units(names: Sequence[str], module: str) -> list[str]:
+    """The units of ``names`` inside ``module`` that hold no other unit."""
+    inside = [n for n in names if _inside(n, module)]
+    return [n for n in inside if not any(_inside(o, n) for o in inside)]
+
+
 def _layer_blocks(
     spans: Sequence[Span], units: Sequence[Span], sizes: dict[str, int]
 ) -> list[Span]:
@@ -307,7 +313,7 @@ def _layer_blocks(
         if any(_inside(b, m) and b not in names for b in repeated):  # a stage of blocks
             continue
         inside = [i for i, n in enumerate(names) if _inside(n, m)]
-        layers = [names[i] for i in inside if not any(_inside(o, names[i]) for o in names)]
+        layers = _innermost_units(names, m)
         if len(layers) < 2 or any(sizes.get(n) != 1 for n in layers):
             continue
         if any(all(_inside(n, g) for n in layers) for g in stages if _inside(g, m)):
@@ -992,9 +998,8 @@ def _small_stages_whole(menus: Menus, regions: Regions) -> list[ChainSpan]:
     stage recomputed whole ])."""
 
     def layers_only(span: ChainSpan) -> bool:  # a unit holding units counts by those
-        inside = [u.name for u in regions.units if _inside(u.name, span.name)]
-        innermost = [n for n in inside if not any(_inside(o, n) for o in inside)]
-        return bool(innermost) and all(regions.sizes.get(n, 2) == 1 for n in innermost)
+        layers = _innermost_units([u.name for u in regions.units], span.name)
+        return bool(layers) and all(regions.sizes.get(n, 2) == 1 for n in layers)
 
     return [
         s for s in menus.spans if s.option.strategy not in ("held", "held_nested") or layers_only(s)
