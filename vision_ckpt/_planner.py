@@ -250,6 +250,15 @@ def _holds_repeats(entry: Any, entries: list[Any]) -> bool:
     return any(inside.count(c) >= 2 for c in set(inside))
 
 
+def _held_blocks(names: Sequence[str], module: str) -> tuple[int, int] | None:
+    """``(first, last)`` of the candidate blocks inside ``module`` when there are two or more
+    and they are consecutive, else ``None``."""
+    inside = [i for i, n in enumerate(names) if n.startswith(module + ".")]
+    if len(inside) < 2 or inside != list(range(inside[0], inside[-1] + 1)):
+        return None
+    return inside[0], inside[-1]
+
+
 def _stage_groups(
     plan: Any, names: Sequence[str], outer: Sequence[str] = ()
 ) -> list[tuple[str, int, int]]:
@@ -258,21 +267,19 @@ def _stage_groups(
     ``outer`` that holds such blocks is a stage in place of those inside it."""
     out = []
     for entry in plan.entries:
-        inside = [i for i, n in enumerate(names) if n.startswith(entry.name + ".")]
-        if not entry.name or len(inside) < 2 or inside != list(range(inside[0], inside[-1] + 1)):
+        held = _held_blocks(names, entry.name) if entry.name else None
+        if held is None:
             continue
         if any(n != entry.name and n.startswith(entry.name + ".") for n, _, _ in out):
             continue
         out = [g for g in out if not entry.name.startswith(g[0] + ".")]  # keep the innermost
-        out.append((entry.name, inside[0], inside[-1]))
+        out.append((entry.name, *held))
     for name in outer:
-        inside = [i for i, n in enumerate(names) if n.startswith(name + ".")]
-        if len(inside) < 2 or inside != list(range(inside[0], inside[-1] + 1)):
-            continue
-        if any(name.startswith(g + ".") for g, _, _ in out):
+        held = _held_blocks(names, name)
+        if held is None or any(name.startswith(g + ".") for g, _, _ in out):
             continue
         out = [g for g in out if g[0] != name and not g[0].startswith(name + ".")]
-        out = sorted([*out, (name, inside[0], inside[-1])], key=lambda g: g[1])
+        out = sorted([*out, (name, *held)], key=lambda g: g[1])
     return out
 
 

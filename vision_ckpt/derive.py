@@ -997,8 +997,10 @@ def _small_stages_whole(menus: Menus, regions: Regions) -> list[ChainSpan]:
     """The stages on the menu, recomputed whole only where they hold single layers (NOTE [ A
     stage recomputed whole ])."""
 
+    names = [u.name for u in regions.units]
+
     def layers_only(span: ChainSpan) -> bool:  # a unit holding units counts by those
-        layers = _innermost_units([u.name for u in regions.units], span.name)
+        layers = _innermost_units(names, span.name)
         return bool(layers) and all(regions.sizes.get(n, 2) == 1 for n in layers)
 
     return [
