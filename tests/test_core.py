@@ -1182,7 +1182,10 @@ def without_make_saved_tensor(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("case", ["plain", "nested", "retain_twice", "double_backward", "list"])
+@pytest.mark.parametrize(
+    "case",
+    ["plain", "nested", "nested_two", "nested_twice", "retain_twice", "double_backward", "list"],
+)
 def test_inputs_saved_through_an_autograd_function_on_older_torch(
     case: str, without_make_saved_tensor: list[int]
 ) -> None:
@@ -1199,11 +1202,21 @@ def test_inputs_saved_through_an_autograd_function_on_older_torch(
         torch.manual_seed(1)
         if case == "nested":
             y = checkpoint(lambda t: checkpoint(f, t) * 2, x) if ckpt else f(x) * 2
+        elif case in ("nested_two", "nested_twice"):  # an inner region of two inputs
+
+            def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                return f(a + b)
+
+            y = (
+                checkpoint(lambda t: checkpoint(inner, t, t * 2) * 2, x)
+                if ckpt
+                else f(x + x * 2) * 2
+            )
         elif case == "list":
             y = checkpoint(lambda ts: f(ts[0] + ts[1]), [x, x * 2]) if ckpt else f(x + x * 2)
         else:
             y = checkpoint(f, x) if ckpt else f(x)
-        if case == "retain_twice":
+        if case in ("retain_twice", "nested_twice"):
             y.sum().backward(retain_graph=True)
             y.sum().backward()
         elif case == "double_backward":

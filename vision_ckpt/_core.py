@@ -1251,23 +1251,60 @@ class _SaveInputs(torch.autograd.Function):  # for torch without _make_saved_ten
         return (None,) * (1 + len(ctx.saved_tensors))
 
 
-class _SavedViaNode:  # for torch without _make_saved_tensor
-    __slots__ = ("node", "index")
+class _SavedThroughFunction:  # for torch without _make_saved_tensor
+    """A region's inputs saved by one ``_SaveInputs`` node (NOTE [ Inputs saved through a
+    Function ]); ``views()`` gives one handle per input, each with ``unpack()``."""
 
-    def __init__(self, node: Any, index: int) -> None:
-        self.node = node
+    __slots__ = ("output", "taken", "count")
+
+    def __init__(self, output: torch.Tensor, count: int) -> None:
+        self.output = output
+        self.taken: list[torch.Tensor | None] | None = None
+        self.count = count
+
+    def views(self) -> list[_SavedInput]:
+        return [_SavedInput(self, i) for i in range(self.count)]
+
+    def take(self, index: int) -> torch.Tensor:
+        taken = self.taken
+        if taken is None or taken[index] is None:  # a new round of unpacking
+            taken = self.taken = list(self.output.grad_fn.saved_tensors)
+        tensor = taken[index]
+        taken[index] = None
+        if all(t is None for t in taken):
+            self.taken = None
+        assert tensor is not None
+        return tensor
+
+
+class _SavedInput:  # for torch without _make_saved_tensor
+    __slots__ = ("group", "index")
+
+    def __init__(self, group: _SavedThroughFunction, index: int) -> None:
+        self.group = group
         self.index = index
 
     def unpack(self) -> torch.Tensor:
-        return self.node.saved_tensors[self.index]
+        return self.group.take(self.index)
+
+
+# NOTE [ Inputs saved through a Function ]
+#
+# Without ``_make_saved_tensor``, a region's inputs are saved by an autograd Function's
+# ``save_for_backward``, so that the enclosing hooks pack them as they would a SavedVariable.
+# Two invariants make this equal to the direct path:
+# * The Function's output (an empty tensor) lives as long as the handles: torch releases a
+#   node's saved tensors once its outputs are gone (seen on 2.11).
+# * ``grad_fn.saved_tensors`` unpacks every input at once, and an enclosing region's unpack
+#   hook hands each tensor out once per backward. So one access serves all inputs of a round,
+#   and the next access happens only when an input is asked for again (a later backward).
 
 
 def _save_with_function(tensors: list[torch.Tensor]) -> list[Any]:
     if not tensors:
         return []
     dummy = torch.empty(0, requires_grad=True)
-    node = _SaveInputs.apply(dummy, *tensors).grad_fn
-    return [_SavedViaNode(node, i) for i in range(len(tensors))]
+    return _SavedThroughFunction(_SaveInputs.apply(dummy, *tensors), len(tensors)).views()
 
 
 def checkpoint_sequential(
