@@ -865,9 +865,23 @@ def check_frontier(args: argparse.Namespace, models: dict[str, dict[str, Any]]) 
 # --------------------------------------------------------------------------------------------
 
 
+# The run in progress and where it is written: every row is on disk as soon as it is measured,
+# so a run stopped at a time limit keeps what it measured (a lent GPU's minutes are few).
+_LIVE: dict[str, Any] = {}
+
+
+def _write(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "table.md").write_text(render(results))
+
+
 def _progress(section: str, row: dict[str, Any]) -> None:
     shown = {k: v for k, v in row.items() if k not in ("explain",)}
     print(f"[{section}] {shown}", flush=True)
+    if _LIVE:
+        _LIVE["results"]["sections"].setdefault(section, []).append(row)
+        _write(_LIVE["results"], _LIVE["out"])
 
 
 def _meta(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
@@ -917,16 +931,20 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "inductor": lambda: check_inductor(args, models),
         "frontier": lambda: check_frontier(args, models),
     }
-    for section in SECTIONS:
-        if section not in args.sections:
-            continue
-        started = time.perf_counter()
-        try:
-            results["sections"][section] = checks[section]()
-        except Exception as exc:  # noqa: BLE001 - a broken section must not lose the others
-            traceback.print_exc()
-            results["sections"][section] = [{"model": "*", "error": _error(exc)}]
-        results["seconds"][section] = round(time.perf_counter() - started, 1)
+    _LIVE.update(results=results, out=Path(args.out))
+    try:
+        for section in args.sections:  # in the order given: the first ones matter most
+            started = time.perf_counter()
+            try:
+                rows = checks[section]()
+            except Exception as exc:  # noqa: BLE001 - a broken section must not lose the others
+                traceback.print_exc()
+                rows = [{"model": "*", "error": _error(exc)}]
+            results["sections"][section] = rows
+            results["seconds"][section] = round(time.perf_counter() - started, 1)
+            _write(results, Path(args.out))
+    finally:
+        _LIVE.clear()
     return results
 
 
@@ -950,11 +968,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     results = run(args, argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    table = render(results)
-    (out / "table.md").write_text(table)
-    print(table)
+    _write(results, out)
+    print(render(results))
     print(f"wrote {out / 'results.json'} and {out / 'table.md'}")
     return 1 if failures(results) else 0
 
