@@ -241,3 +241,19 @@ def test_timeline_records_live_bytes_after_every_operation() -> None:
     with track_peak_memory() as plain:
         torch.ones(4)
     assert plain.timeline is None
+
+
+def test_counting_a_forward_never_followed_by_backward_keeps_nothing_alive() -> None:
+    """ReLU and exp save their own outputs; a pack hook that handed the tensor back would make
+    a C++ cycle (node -> saved output -> node) that outlives the forward, parameters included."""
+    import gc
+    import weakref
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    weight = weakref.ref(net[0].weight)
+    with count_saved_bytes(net) as saved:
+        out = net(torch.randn(4, 8)).exp()
+    assert saved.nbytes > 0
+    del out, net
+    gc.collect()
+    assert weight() is None, "the counted forward's graph kept the model's parameters alive"

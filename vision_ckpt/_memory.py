@@ -228,14 +228,20 @@ def _saved_bytes_pack_hook(
     # that reuses the address of a freed one.
     seen: dict[int, weakref.ref[torch.UntypedStorage]] = {}
 
+    # What a pack hook returns is what the saved variable holds. Handing back ``t`` itself, an
+    # op that saves its own output (ReLU, exp) would hold a tensor whose grad_fn is that op: a
+    # C++ reference cycle that the garbage collector cannot see, so a forward never followed by
+    # backward (the planner's counting passes) would keep its graph, and with it the model's
+    # parameters, alive for good. A detached alias shares the storage and breaks the cycle;
+    # autograd restores the grad_fn when it unpacks.
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = region() if region is not None else None
         if region is not None and key is None:
-            return t  # outside every region: not counted
+            return t.detach()  # outside every region: not counted
         result.num_packed += 1
         for plain in _plain_tensors(t):
             count(_storage_of(plain), key)
-        return t
+        return t.detach()
 
     def count(storage: torch.UntypedStorage | None, key: Hashable | None) -> None:
         if storage is not None and storage.data_ptr() not in excluded:
