@@ -214,6 +214,8 @@ def render(results: dict[str, Any]) -> str:
     out = [f"# gpu_check on {meta.get('device', '?')}"]
     if meta.get("command"):
         out += ["", f"`{meta['command']}` ({meta.get('torch', '?')}, {meta.get('date', '')})"]
+    if meta.get("note"):
+        out += ["", meta["note"]]
     sections = results.get("sections", {})
     for name, rows in sections.items():
         out += ["", f"## {name}: {_TITLES.get(name, '')}".rstrip(": "), ""]

@@ -380,7 +380,9 @@ def _generic_section(key: str, data: Any) -> list[str]:
 def _section(key: str, data: Any) -> list[str]:
     rows = data.get("rows") if isinstance(data, dict) else data
     first = rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
-    if "prof_peak_mb" in first:
+    if isinstance(data, dict) and {"meta", "sections"} <= data.keys():
+        body = _gpu_check_section(data)
+    elif "prof_peak_mb" in first:
         body = _frontier_section(key, data)
     elif "above_mb" in first:
         body = _dense_section(key, data)
@@ -430,6 +432,12 @@ def _bench_script(name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _gpu_check_section(data: dict) -> list[str]:
+    """gpu_check's own tables of a run (its headings two levels down, under this section's)."""
+    text = _bench_script("gpu_check").render(data)
+    return ["", *(("##" + line if line.startswith("#") else line) for line in text.splitlines())]
 
 
 def _derive_summary(data: dict) -> list[str]:
