@@ -86,7 +86,9 @@ NOTES: dict[str, str] = {
     "rows are from a run after the modelled price stopped charging `aten._unsafe_view` as a "
     "copy, which changed its derived plan; it ran beside other derivations, so its `derive_s` "
     "is no figure of a derivation alone. The other models' plans are unchanged by that fix and "
-    "their modelled ratios are the old price's.",
+    "their modelled ratios are the old price's. DenseNet-121's and Swin-T's rows were then "
+    "replaced by an eleven-round run of the two alone (`--reps 11 --models densenet121 "
+    "swin_tiny_patch4_window7_224`, 2026-11-26): the same plans and peaks.",
     "derive_nopreset_b32": "Written by `python benchmarks/bench_derive.py --threads 1 --reps 5 "
     "--out ... --models "
     "efficientvit_b0 fastvit_t8 'hf:PoolFormerForImageClassification(PoolFormerConfig())' "
