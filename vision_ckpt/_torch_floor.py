@@ -10,7 +10,8 @@ test suite was run on older releases (2.14.1 is the reference):
   autograd Function failed on nested regions until NOTE [ Inputs saved through a Function ]
   was met. On 2.11.0 the core's tests and every level's exactness test now pass, but 35
   other tests do not: memory expectations (a level's peak against the level below, where a
-  step peaks) and torch.compile's behaviour differ, so the floor stays;
+  step peaks) differ, and torch.compile breaks the graph at every region (2.11's checkpoint
+  operator refuses the wrapper's write of the ambient level). So the floor stays;
 * 2.12.1: the core works, but the tests of that fallback failed the same way;
 * 2.13.0: the suite gives the same results as on 2.14.1.
 
