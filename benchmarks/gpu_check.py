@@ -43,6 +43,15 @@ Sections (``--sections``, all by default), each on the models of ``--models``:
 ``frontier``
     Levels 0-5 and timm's ``set_grad_checkpointing`` at ``--batch`` (32): allocated and reserved
     peaks, and step time as the median over ``--reps`` interleaved rounds of the ratio to L0.
+``derive``
+    ``derive_preset`` run on the device for each of ``--derive-models`` (models no preset
+    knows, and ResNet-50) at ``--batch``, dropout on; then level 0, every derived level with a
+    plan of its own and the model's own switch, each measured as in ``frontier`` (the
+    allocator's peak above the step's start, alone on the device; time over interleaved
+    rounds) and checked exact at batch 2 as in ``exact``. The derivation decides on the
+    device's meter (on CUDA the allocator's peak, parameters included, extrapolated from small
+    batches): its prediction stands beside the measured peak, the peak above the step's start
+    (what ``alloc/L0`` divides) and the byte tracker's (the CPU tables' meter).
 
 Writes ``results.json`` and ``table.md`` (the tables for docs/benchmarks.md) to ``--out``
 (default ``benchmarks/results/gpu_check``) and exits 1 when a check failed. See docs/gpu.md.
@@ -74,7 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SECTIONS = ("exact", "replay", "memory", "suggest", "inductor", "frontier")
+SECTIONS = ("exact", "replay", "memory", "suggest", "inductor", "frontier", "derive")
 LEVELS = (0, 1, 2, 3, 4, 5)
 
 # The six models of the frontier, at 224 px.
@@ -96,8 +105,14 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
     "efficientnet_b0": {},
 }
 # The models with fused attention, and the levels at which a layer is a selective / full region.
+# The derive section: models no preset knows, and ResNet-50, whose preset is the reference.
+DERIVE_MODELS = ("resnet50", "efficientvit_b0", "levit_128", "fastvit_t8")
+TINY_DERIVE_MODELS = ("efficientvit_b0",)  # at 64 px its activations outweigh its weights
 REPLAY_LEVELS = {"vit": {"selective": 1, "full": 3}, "swin": {"selective": 1, "full": 2}}
-NO_DROP_PATH = ("densenet",)  # timm families whose constructor takes no drop_path_rate
+NO_DROP_PATH = (
+    "densenet",
+    "efficientvit_b",
+)  # timm families whose constructor takes no drop_path_rate
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,6 +148,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="timed rounds of the frontier (5)")
     p.add_argument("--budget", default=None, help="suggest's budget, e.g. 6GiB (default: auto)")
     p.add_argument("--compile-models", default=None, help="models for the inductor section")
+    p.add_argument("--derive-models", default=None, help="models for the derive section")
     p.add_argument("--compile-levels", default="0,1,2,3,4,5", help="levels to compile")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--compile-rtol", type=float, default=1e-5)
@@ -154,6 +170,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default_compiled = ["resnet18"] if args.tiny else ["vit_small_patch16_224", "resnet50"]
     args.compile_models = _split(args.compile_models) or default_compiled
     args.compile_levels = [int(v) for v in _split(args.compile_levels)]
+    args.derive_models = _split(args.derive_models) or list(
+        TINY_DERIVE_MODELS if args.tiny else DERIVE_MODELS
+    )
     if args.out is None:
         args.out = (
             tempfile.mkdtemp(prefix="gpu_check_")
@@ -233,6 +252,7 @@ _TITLES = {
     "suggest": "suggest_level / plan_for_budget, their plan run at the batch",
     "inductor": "torch.compile against eager, per level",
     "frontier": "memory and time per level against timm's switch",
+    "derive": "levels derived on the device (derive_preset), each measured there",
 }
 
 
@@ -400,6 +420,81 @@ def _render_frontier(rows: list[dict[str, Any]]) -> list[str]:
     )
 
 
+def _render_derive(rows: list[dict[str, Any]]) -> list[str]:
+    out = _table(
+        [
+            "model",
+            "variant",
+            "predicted MB",
+            "measured MB",
+            "above start MB",
+            "tracked MB",
+            "reserved MB",
+            "alloc/L0",
+            "time/L0",
+            "exact",
+            "error",
+        ],
+        [
+            [
+                r["model"],
+                r["variant"]
+                + (
+                    f" (= {', '.join(f'D{k}' for k in r['same_as_above'])})"
+                    if r.get("same_as_above")
+                    else ""
+                ),
+                _mb(r.get("predicted")),
+                _mb(r.get("allocated")),
+                _mb(r.get("allocated_step")),
+                _mb(r.get("tracked")),
+                _mb(r.get("reserved")),
+                _num(r.get("alloc_ratio"), ".2f"),
+                _num(r.get("time_ratio"), ".2f") + ("x" if r.get("time_ratio") else ""),
+                _yes(r.get("exact")),
+                r.get("error") or "",
+            ]
+            for r in rows
+        ],
+    )
+    out += ["", *_derive_summary(rows)]
+    return out
+
+
+def _derive_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per model: derivation time, the first derived level at or under half of level 0's
+    allocated peak and its time, the top against the model's own switch.
+
+    >>> rows = [{"model": "m", "variant": "L0", "derive_s": 9.0, "alloc_ratio": 1.0},
+    ...         {"model": "m", "variant": "D1", "alloc_ratio": 0.7, "time_ratio": 1.05},
+    ...         {"model": "m", "variant": "D2", "alloc_ratio": 0.4, "time_ratio": 1.2},
+    ...         {"model": "m", "variant": "own", "alloc_ratio": 0.8, "time_ratio": 1.3}]
+    >>> _derive_summary(rows)
+    ['- m: derived in 9 s; first level <= 0.5x L0: D2 (0.40x, 1.20x time); top D2 0.50x own switch']
+    """
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model and r.get("alloc_ratio") is not None]
+        levels = [r for r in mine if r["variant"].startswith("D")]
+        head = f"- {model}: " + ", ".join(
+            f"derived in {r['derive_s']:.0f} s" for r in mine if r.get("derive_s") is not None
+        )
+        half = next((r for r in levels if r["alloc_ratio"] <= 0.5), None)
+        head += "; first level <= 0.5x L0: " + (
+            f"{half['variant']} ({half['alloc_ratio']:.2f}x, {half['time_ratio']:.2f}x time)"
+            if half
+            else "none"
+        )
+        own = next((r for r in mine if r["variant"] == "own"), None)
+        if levels and own:
+            top = levels[-1]
+            head += (
+                f"; top {top['variant']} {top['alloc_ratio'] / own['alloc_ratio']:.2f}x own switch"
+            )
+        out.append(head)
+    return out
+
+
 _RENDERERS: dict[str, Callable[[list[dict[str, Any]]], list[str]]] = {
     "exact": _render_exact,
     "replay": _render_replay,
@@ -407,6 +502,7 @@ _RENDERERS: dict[str, Callable[[list[dict[str, Any]]], list[str]]] = {
     "suggest": _render_suggest,
     "inductor": _render_inductor,
     "frontier": _render_frontier,
+    "derive": _render_derive,
 }
 
 
@@ -422,7 +518,12 @@ def failures(results: dict[str, Any]) -> list[str]:
             where = f"{section} {r.get('model', '?')}" + (f" L{r['level']}" if "level" in r else "")
             if r.get("error"):
                 out.append(f"{where}: {r['error']}")
-            elif section == "exact" and r.get("plain_reproducible") and not r.get("exact"):
+            elif (
+                section in ("exact", "derive")
+                and r.get("plain_reproducible")
+                and r.get("exact") is False
+                and r.get("variant") != "own"  # the model's own switch is reported, not ours
+            ):
                 out.append(f"{where}: not exact (max abs diff {r.get('max_abs')})")
             elif section in ("replay", "inductor") and r.get("ok") is False:
                 detail = ", ".join(
@@ -814,69 +915,186 @@ def check_inductor(args: argparse.Namespace, models: dict[str, dict[str, Any]]) 
     return rows
 
 
+def _alone_peaks(
+    variants: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor, device: str
+) -> tuple[dict[str, dict[str, int | None]], dict[str, str]]:
+    """Each variant alone on the device (the allocator's peak counts every tensor there): a
+    warmed-up step's peaks, above the allocation the step started from on CUDA. Returns the
+    peaks by variant and the errors by variant."""
+    from vision_ckpt._measure import Workload, measure_memory
+
+    peaks: dict[str, dict[str, int | None]] = {}
+    errors: dict[str, str] = {}
+    for v, model in variants.items():
+        try:
+            model.to(device)
+            train_step(model, x, y)  # warm-up (cuDNN autotuning, workspaces)
+            model.zero_grad(set_to_none=True)
+            _sync(device)
+            start = torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+            step = measure_memory(Workload(model, x, functools.partial(_ce, y=y)), x)
+            peaks[v] = {
+                "allocated": step.deciding,
+                "reserved": step.reserved,
+                "tracked": step.activation,
+                "allocated_step": step.deciding - start if step.allocated else step.activation,
+            }
+        except Exception as exc:  # noqa: BLE001
+            errors[v] = _error(exc)
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.to("cpu")
+            _free(device)
+    return peaks, errors
+
+
+def _interleaved(
+    variants: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor, device: str, reps: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Step seconds of every variant over ``reps`` rounds, the order rotating from round to
+    round, and each round's ratio to ``L0``'s (all variants on the device together)."""
+    live = list(variants)
+    for model in variants.values():
+        model.to(device)
+    times: dict[str, list[float]] = {v: [] for v in live}
+    ratios: dict[str, list[float]] = {v: [] for v in live}
+    for round_ in range(reps):
+        shift = round_ * len(live) // max(1, reps)
+        this: dict[str, float] = {}
+        for v in live[shift:] + live[:shift]:
+            _sync(device)
+            start = time.perf_counter()
+            train_step(variants[v], x, y)
+            _sync(device)
+            this[v] = time.perf_counter() - start
+            times[v].append(this[v])
+        for v in live:
+            if "L0" in this:
+                ratios[v].append(this[v] / this["L0"])
+    return times, ratios
+
+
 def check_frontier(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
     import vision_ckpt
-    from vision_ckpt._measure import Workload, measure_memory
 
     rows = []
     for name in args.models:
         x, y = _data(args.batch, args.image, args.device)
         base = build(name, models[name])  # on the host: one variant at a time on the device
-        variants: dict[str, tuple[nn.Module, int]] = {}
-        errors: dict[str, str] = {}
+        variants: dict[str, nn.Module] = {}
+        regions: dict[str, int] = {}
         for level in LEVELS:
             model = copy.deepcopy(base)
             plan = vision_ckpt.apply_preset(model, level)
-            variants[f"L{level}"] = (model, len(plan.checkpointed))
+            variants[f"L{level}"], regions[f"L{level}"] = model, len(plan.checkpointed)
         timm_model = copy.deepcopy(base)
         timm_model.set_grad_checkpointing(True)
-        variants["timm"] = (timm_model, -1)
-        memory: dict[str, tuple[int, int | None]] = {}
-        for v, (model, _) in variants.items():
-            # Alone on the device: the allocator's peak counts every tensor there.
-            try:
-                model.to(args.device)
-                train_step(model, x, y)  # warm-up (cuDNN autotuning, workspaces)
-                step = measure_memory(Workload(model, x, functools.partial(_ce, y=y)), x)
-                memory[v] = (step.deciding, step.reserved)
-            except Exception as exc:  # noqa: BLE001
-                errors[v] = _error(exc)
-            finally:
-                model.zero_grad(set_to_none=True)
-                model.to("cpu")
-                _free(args.device)
-        live = [v for v in variants if v not in errors]
-        for v in live:
-            variants[v][0].to(args.device)
-        times: dict[str, list[float]] = {v: [] for v in live}
-        ratios: dict[str, list[float]] = {v: [] for v in live}
-        for round_ in range(args.reps):
-            shift = round_ * len(live) // max(1, args.reps)
-            this: dict[str, float] = {}
-            for v in live[shift:] + live[:shift]:  # the order rotates from round to round
-                _sync(args.device)
-                start = time.perf_counter()
-                train_step(variants[v][0], x, y)
-                _sync(args.device)
-                this[v] = time.perf_counter() - start
-                times[v].append(this[v])
-            for v in live:
-                if "L0" in this:
-                    ratios[v].append(this[v] / this["L0"])
-        for v, (_, regions) in variants.items():
+        variants["timm"], regions["timm"] = timm_model, -1
+        memory, errors = _alone_peaks(variants, x, y, args.device)
+        live = {v: m for v, m in variants.items() if v not in errors}
+        times, ratios = _interleaved(live, x, y, args.device, args.reps)
+        for v in variants:
             row: dict[str, Any] = {"model": name, "batch": args.batch, "variant": v}
-            row["regions"] = regions
+            row["regions"] = regions[v]
             if v in errors:
                 row["error"] = errors[v]
             else:
-                row["allocated"], row["reserved"] = memory[v]
+                row["allocated"], row["reserved"] = memory[v]["allocated"], memory[v]["reserved"]
                 row["time_s"] = statistics.median(times[v])
                 row["time_ratio"] = statistics.median(ratios[v]) if ratios[v] else None
                 if "L0" in memory:
-                    row["alloc_ratio"] = memory[v][0] / memory["L0"][0]
+                    row["alloc_ratio"] = memory[v]["allocated"] / memory["L0"]["allocated"]
             rows.append(row)
             _progress("frontier", row)
-        del variants, base
+        del variants, live, base
+        _free(args.device)
+    return rows
+
+
+def _derived_variants(base: nn.Module, found: Any) -> dict[str, nn.Module]:
+    """Level 0, every derived level that runs a plan of its own, and the model's own switch."""
+    import vision_ckpt
+
+    variants = {"L0": copy.deepcopy(base)}
+    for lv in found.levels:
+        if lv.same_as is None:
+            variants[f"D{lv.level}"] = copy.deepcopy(base)
+            vision_ckpt.apply(variants[f"D{lv.level}"], found.config(lv.level))
+    if hasattr(base, "set_grad_checkpointing"):
+        variants["own"] = copy.deepcopy(base)
+        variants["own"].set_grad_checkpointing(True)
+    return variants
+
+
+def _derived_exact(
+    base: nn.Module, variants: dict[str, nn.Module], device: str, image: int
+) -> dict[str, dict[str, Any]]:
+    """Each variant's step at batch 2 against the plain model's, deterministic, dropout on."""
+    x, y = _data(2, image, device)
+    out: dict[str, dict[str, Any]] = {}
+    with deterministic(device):
+        plain = copy.deepcopy(base).to(device)
+        ref = train_step(plain, x, y)
+        reproducible = compare(train_step(plain, x, y), ref)[0] == 0.0
+        del plain
+        for v, model in variants.items():
+            try:
+                got = train_step(copy.deepcopy(model).to(device), x, y)
+                max_abs = compare(got, ref)[0]
+                out[v] = {"max_abs": max_abs, "exact": max_abs == 0.0}
+            except Exception as exc:  # noqa: BLE001
+                out[v] = {"error": _error(exc)}
+            out[v]["plain_reproducible"] = reproducible
+            _free(device)
+    return out
+
+
+def check_derive(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
+    from vision_ckpt import derive_preset
+
+    rows = []
+    for name in args.derive_models:
+        x, y = _data(args.batch, args.image, args.device)
+        base = build(name, models.get(name, {}), drop=0.1)
+        try:
+            model = copy.deepcopy(base).to(args.device)
+            found = derive_preset(model, x[:2].clone(), args.batch)
+            del model
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"model": name, "variant": "*", "error": _error(exc)})
+            _progress("derive", rows[-1])
+            continue
+        finally:
+            _free(args.device)
+        variants = _derived_variants(base, found)
+        exact = _derived_exact(base, variants, args.device, args.image)
+        memory, errors = _alone_peaks(variants, x, y, args.device)
+        live = {v: m for v, m in variants.items() if v not in errors}
+        times, ratios = _interleaved(live, x, y, args.device, args.reps)
+        derived = {f"D{lv.level}": lv for lv in found.levels}
+        for v in variants:
+            row: dict[str, Any] = {"model": name, "batch": args.batch, "variant": v}
+            row.update(exact[v])
+            if v == "L0":
+                row["derive_s"] = round(found.seconds, 1)
+                row["predicted"] = found.peak0
+            if v in derived:
+                row["predicted"] = derived[v].peak
+                row["same_as_above"] = [
+                    lv.level for lv in found.levels if lv.same_as == derived[v].level
+                ]
+            if v in errors:
+                row["error"] = errors[v]
+            elif v in memory:
+                row.update(memory[v])
+                row["time_ratio"] = statistics.median(ratios[v]) if ratios[v] else None
+                if "L0" in memory:
+                    row["alloc_ratio"] = (
+                        memory[v]["allocated_step"] / memory["L0"]["allocated_step"]
+                    )
+            rows.append(row)
+            _progress("derive", row)
+        del variants, live, base
         _free(args.device)
     return rows
 
@@ -951,6 +1169,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "suggest": lambda: check_suggest(args, models, results["sections"].get("memory", [])),
         "inductor": lambda: check_inductor(args, models),
         "frontier": lambda: check_frontier(args, models),
+        "derive": lambda: check_derive(args, models),
     }
     _LIVE.update(results=results, out=Path(args.out))
     try:
