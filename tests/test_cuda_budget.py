@@ -118,20 +118,64 @@ def test_on_cuda_a_step_is_read_from_the_allocator_after_a_warm_up(monkeypatch) 
     step = measure_memory(Workload(model, x), x, timeline)
     assert step.allocated == fake.allocated(0, 4) and step.deciding == step.allocated
     assert step.reserved == 2 * GiB + 184 * MiB and step.peak == cpu.peak
-    # a forward at this batch before the reset (the warm-up), then sync, reset, the step, sync,
-    # and only then the readings
-    assert fake.events == [
-        "forward 4",
-        "sync",
-        "reset",
-        "forward 4",
-        "sync",
-        "allocated",
-        "reserved",
-    ]
-    # the timeline is the tracker's, moved up to the allocator's peak
+    # the warm-up at this batch reads the allocator's peak after each operator (and resets it);
+    # then sync, reset, the step, sync, and only then the readings
+    warm_up = fake.events[:-6]
+    assert warm_up[:3] == ["sync", "reset", "forward 4"]
+    assert warm_up.count("allocated") == warm_up.count("reset") - 1 == len(timeline) > 10
+    assert fake.events[-6:] == ["sync", "reset", "forward 4", "sync", "allocated", "reserved"]
+    # one entry per operator of the step, its largest the warmed-up step's allocated peak
     assert max(timeline) == step.allocated
     assert min(timeline) > 2 * GiB
+
+
+class WorkspaceAllocator(FakeAllocator):
+    """Allocated bytes that the byte tracker cannot see: ``10 MiB * batch + 100 MiB`` all the
+    step, and ``20 MiB * batch`` while ``inner`` runs (a workspace that grows with the batch,
+    the peak only from batch 10 on). ``max_memory_allocated`` is the largest since the reset."""
+
+    def __init__(self, model: torch.nn.Module, inner: torch.nn.Module) -> None:
+        super().__init__(model, {})
+        self.inside = False
+        self.peak = 0
+        inner.register_forward_pre_hook(lambda m, a: self._enter(True))
+        inner.register_forward_hook(lambda m, a, o: self._enter(False))
+
+    def now(self) -> int:
+        assert self.batch is not None
+        return (20 * self.batch if self.inside else 10 * self.batch + 100) * MiB
+
+    def _enter(self, inside: bool) -> None:
+        self.inside = inside
+        self.peak = max(self.peak, self.now())
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().install(monkeypatch)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self._reset)
+
+    def _reset(self, device: object = None) -> None:
+        self.peak = self.now() if self.batch is not None else 0
+
+    def _max_allocated(self, device: object = None) -> int:
+        return max(self.peak, self.now())
+
+
+def test_on_cuda_a_workspace_that_grows_with_the_batch_is_predicted_where_it_happens(
+    monkeypatch,
+) -> None:
+    from vision_ckpt._extrapolate import extrapolated_peak, peak_measurer
+
+    torch.manual_seed(0)
+    inner = torch.nn.Linear(16, 16)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), inner, torch.nn.ReLU())
+    fake = WorkspaceAllocator(model, inner)
+    fake.install(monkeypatch)
+    work = Workload(model, torch.randn(2, 16))
+    predicted, points = extrapolated_peak(peak_measurer(work), 32, halfway=False)
+    # batches 4 and 8 peak outside the workspace (140 and 180 MiB); at 32 it decides: 640 MiB
+    assert points == [(4, 140 * MiB), (8, 180 * MiB)]
+    assert measure_memory(work, work.batch(32)).allocated == 640 * MiB
+    assert predicted == 640 * MiB  # a line through the peaks alone says 420 MiB
 
 
 def test_suggest_level_on_cuda_decides_on_the_allocator(monkeypatch) -> None:

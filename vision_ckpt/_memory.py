@@ -288,7 +288,8 @@ class PeakMemory:
     cuda_end_bytes: int | None = None
     """``torch.cuda.memory_allocated`` at exit."""
     timeline: list[int] | None = None
-    """With ``timeline=True``: the live bytes right after each operation, in order."""
+    """With ``timeline=True``: the live bytes right after each operation, in order (or what
+    the ``probe`` read then)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -340,10 +341,16 @@ def _root_tensors(obj: Any) -> Iterator[torch.Tensor]:
 class _StorageTracker(TorchDispatchMode):
     """Follows the storages aten operations create; see NOTE [ What track_peak_memory counts ]."""
 
-    def __init__(self, device: torch.device | None, result: PeakMemory) -> None:
+    def __init__(
+        self,
+        device: torch.device | None,
+        result: PeakMemory,
+        probe: Callable[[], int] | None = None,
+    ) -> None:
         super().__init__()
         self.device = device
         self.result = result
+        self.probe = probe
         self.live_bytes = 0
         # data_ptr -> (weak reference to the storage, bytes counted for it)
         self._live: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
@@ -420,13 +427,16 @@ class _StorageTracker(TorchDispatchMode):
             self.result.peak_bytes = self.live_bytes
         self.result.end_bytes = self.live_bytes
         if self.result.timeline is not None:
-            self.result.timeline.append(self.live_bytes)
+            self.result.timeline.append(self.live_bytes if self.probe is None else self.probe())
         return out
 
 
 @contextlib.contextmanager
 def track_peak_memory(
-    *roots: Any, device: torch.device | str | None = None, timeline: bool = False
+    *roots: Any,
+    device: torch.device | str | None = None,
+    timeline: bool = False,
+    probe: Callable[[], int] | None = None,
 ) -> Iterator[PeakMemory]:
     """Measure the peak of live tensor-storage bytes while the block runs.
 
@@ -443,6 +453,10 @@ def track_peak_memory(
             ``None`` counts every device except ``meta``. For a CUDA device the result also
             carries the CUDA allocator's figures; this resets its peak statistic at entry.
         timeline: also record the live bytes after every operation (``result.timeline``).
+        probe: with ``timeline``, what each entry reads after an operation in place of the
+            live bytes (the CUDA meter reads the allocator's peak during the operation, NOTE
+            [ Two meters ] in ``_measure``). A probe that resets the allocator's peak
+            statistic makes ``cuda_peak_bytes`` the largest entry or the peak after it.
 
     Yields:
         A :class:`PeakMemory`, updated while the block runs and final at exit.
@@ -460,7 +474,7 @@ def track_peak_memory(
     result = PeakMemory(device=str(dev) if dev is not None else None)
     if timeline:
         result.timeline = []
-    tracker = _StorageTracker(dev, result)
+    tracker = _StorageTracker(dev, result, probe)
     for t in _root_tensors(roots):
         storage = _storage_of(t)
         if storage is not None and tracker._wanted(storage):
@@ -478,7 +492,10 @@ def track_peak_memory(
     finally:
         if use_cuda:
             torch.cuda.synchronize(dev)
-            result.cuda_peak_bytes = torch.cuda.max_memory_allocated(dev)
+            result.cuda_peak_bytes = max(
+                torch.cuda.max_memory_allocated(dev),
+                max(result.timeline or [0]) if probe is not None else 0,
+            )
             result.cuda_end_bytes = torch.cuda.memory_allocated(dev)
         result.end_bytes = tracker.live_bytes
         tracker.stop()
