@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+import vision_ckpt
 from vision_ckpt import (
     CheckpointError,
     VisionCkptError,
@@ -1354,6 +1355,83 @@ def test_recomputation_runs_under_the_forwards_kernel_settings(name: str, assert
         results.append((out, x.grad, [p.grad for p in (*qkv.parameters(), *proj.parameters())]))
     assert seen == [inside, inside]  # the forward, then the recomputation
     assert read() == outside  # and the recomputation put the backward's setting back
+    assert_exact(results[1], results[0])
+
+
+class _SwitchesOnFirstCall(nn.Module):
+    """Attention whose first call turns the fused CPU kernel off for good, before attending: on
+    a Hopper GPU torch reordered the SDPA backends' priority for good during a process's first
+    attention call (torch 2.11, an H200), so a region entered before it ran its forward with
+    one kernel and, replaying the settings it was entered under, recomputed with another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.switched = False
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.switched:
+            self.switched = True
+            _cuda.enable_flash_sdp(False)
+        q, k, v = self.qkv(t).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 5, 16))
+
+
+@contextlib.contextmanager
+def _sdpa_flags_restored() -> Iterator[None]:
+    before = _sdpa_flags()
+    try:
+        yield
+    finally:
+        for enable, on in zip(
+            (
+                _cuda.enable_flash_sdp,
+                _cuda.enable_mem_efficient_sdp,
+                _cuda.enable_math_sdp,
+                _cuda.enable_cudnn_sdp,
+            ),
+            before,
+            strict=True,
+        ):
+            enable(on)
+
+
+def test_a_setting_changed_for_good_inside_the_forward_is_recomputed_as_the_forward_left_it(
+    assert_exact,
+) -> None:
+    """NOTE [ Settings that choose kernels ]: the recomputation runs under the settings the
+    forward ended under. Replaying those it was entered under, the recomputation took the fused
+    kernel, which saves other tensors (the GPU raised CheckpointError the same way)."""
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        attention = _SwitchesOnFirstCall()
+        x = torch.randn(2, 5, 16, requires_grad=True)
+        with _sdpa_flags_restored():
+            out = checkpoint(attention, x) if checkpointed else attention(x)
+            out.square().sum().backward()
+        results.append((out, x.grad, [p.grad for p in attention.parameters()]))
+    assert_exact(results[1], results[0])
+
+
+def test_a_run_goes_on_past_a_setting_its_first_member_changed_for_good(assert_exact) -> None:
+    """A run's next member is called under the settings the member before it left (a change
+    for good, as above), so the run does not end there; it is recomputed under them."""
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(_SwitchesOnFirstCall(), nn.GELU(), nn.Linear(16, 16))
+        if checkpointed:
+            rules = [{"match": "0", "level": 1, "through": "2"}]
+            vision_ckpt.apply(
+                model, {"preset": None, "rules": rules, "training_checkpoint_level": 1}
+            )
+        x = torch.randn(2, 5, 16, requires_grad=True)
+        with _sdpa_flags_restored(), warnings.catch_warnings():
+            warnings.simplefilter("error")  # a run that ends early warns
+            out = model(x)
+            out.square().sum().backward()
+        results.append((out, x.grad, [p.grad for p in model.parameters()]))
     assert_exact(results[1], results[0])
 
 

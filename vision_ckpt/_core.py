@@ -390,7 +390,16 @@ def _capture_autocast(device_type: str) -> tuple[Any, ...] | None:
 # used. So every region reads these switches when it is called (``_capture_settings``, next to
 # the autocast state), and its recomputation sets back those that differ and restores the
 # current ones afterwards (``_Settings``). Invariant: the recomputation runs under the settings
-# its forward ran under, whatever the code around backward set. A switch torch refuses to read
+# its forward ran under, whatever the code around backward set. A switch can also change for
+# good inside the forward: on a Hopper GPU torch reordered the SDPA backends' priority during a
+# process's first attention call, before choosing its kernel (torch 2.11, an H200), so a region
+# read at its call recomputed with another backend than its forward ran (CheckpointError: other
+# saved tensors). So the settings are read again when the forward returns and those are the
+# ones replayed: a change scoped by a context manager inside the forward is undone by then, a
+# change for good is what the forward's operators after it ran under. (Operators before such a
+# change that depend on it would be recomputed under the new value; the lazy reorder comes
+# before the first attention kernel runs.) A run of sibling calls compares each call with what
+# the call before it left. A switch torch refuses to read
 # (a mix of its legacy and new TF32 APIs) is left as it is. The values are restored through the
 # legacy setters, in the order of the table, so the float32 matmul precision is set before the
 # TF32 flag it implies.
@@ -471,6 +480,14 @@ def _read(get: Callable[[], Any]) -> Any:
 def _capture_settings() -> tuple[Any, ...]:
     """The kernel-choosing switches now (NOTE [ Settings that choose kernels ])."""
     return tuple(_read(get) for get, _ in _SETTINGS)
+
+
+def _settle_settings(frame: Any) -> None:
+    """After a region's forward: the switches it ended under are the ones it is recomputed
+    under (NOTE [ Settings that choose kernels ])."""
+    now = _capture_settings()
+    if now != frame.settings:
+        frame.settings = now
 
 
 class _Settings:
@@ -1117,6 +1134,8 @@ def _forward(
         _pop_hooks()
         del frame._user_hooks
         state.region_depth -= 1
+    if finished:
+        _settle_settings(frame)
     if not finished:  # the forward context swallowed an exception raised by the region
         raise CheckpointError(
             f"vision_ckpt.checkpoint: the forward context from context_fn suppressed an exception "
@@ -1480,6 +1499,7 @@ class ChainRegion:
             _pop_hooks()
             del frame._user_hooks
             state.region_depth -= 1
+        _settle_settings(frame)  # the next member is compared with what this one left
         self.replay.calls.append((fn, rng))
         frame.forward_done = True
         return out
