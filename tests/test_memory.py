@@ -148,6 +148,36 @@ def test_saved_bytes_ignore_meta() -> None:
     assert saved.nbytes == 0
 
 
+def test_saved_bytes_count_what_a_selective_region_keeps() -> None:
+    """The planner's and the derivation's menus rest on this count (the torch floor's reason)."""
+    import vision_ckpt
+
+    def mlps() -> torch.nn.Module:
+        torch.manual_seed(0)
+
+        def mlp() -> torch.nn.Module:
+            return torch.nn.Sequential(
+                torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+            )
+
+        return torch.nn.Sequential(mlp(), mlp())
+
+    x = torch.randn(32, 64)
+    saved = {}
+    for way, extra in (("full", {}), ("selective", {"keep": "heavy"})):
+        model = mlps()
+        rules = [{"match": name, "level": 1, **extra} for name in ("0", "1")]
+        vision_ckpt.apply(model, {"preset": None, "rules": rules, "training_checkpoint_level": 1})
+        with count_saved_bytes(model) as counted:
+            model(x)
+        saved[way] = counted.nbytes
+    f32 = 4
+    # full: each region keeps its input; selective: the first input and every linear's output
+    # (the first region's last output is the second's input, counted once)
+    assert saved["full"] == 2 * 32 * 64 * f32
+    assert saved["selective"] == 32 * 64 * f32 + 2 * (32 * 256 + 32 * 64) * f32
+
+
 def test_checkpoint_reduces_saved_bytes() -> None:
     x = torch.randn(256, 256, requires_grad=True)  # 256 KiB
     with count_saved_bytes() as plain:
