@@ -26,6 +26,13 @@ Sections (``--sections``, all by default), each on the models of ``--models``:
     by running the plain model twice); a mask drawn again differs at order one. Scope ``step``
     holds the backend selection over forward and backward, scope ``forward`` over the forward
     only (recomputation must restore it: issue 24 item 3).
+``first``
+    The first training step of a process: plain, twice, and at the selective and full levels
+    of ``replay``, each alone in a fresh Python process (bf16 autocast where the device has
+    it, attention dropout and drop-path on), gradients against the first plain process's.
+    Lazy first-call work in torch (on a Hopper GPU it reordered the SDPA backends' priority
+    during the first attention call) happens inside the first region there, which a step
+    after a plain one never shows.
 ``memory``
     Per level at ``--batch``: the peak predicted from two small batches (what ``suggest_level``
     decides on) against the measured one, on the device's meter (``max_memory_allocated`` of
@@ -83,7 +90,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SECTIONS = ("exact", "replay", "memory", "suggest", "inductor", "frontier", "derive")
+SECTIONS = ("exact", "replay", "first", "memory", "suggest", "inductor", "frontier", "derive")
 LEVELS = (0, 1, 2, 3, 4, 5)
 
 # The six models of the frontier, at 224 px.
@@ -154,6 +161,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-rtol", type=float, default=1e-5)
     p.add_argument("--out", default=None, help="folder for results.json and table.md")
     p.add_argument("--render", default=None, metavar="JSON", help="print the tables of a run")
+    p.add_argument(
+        "--first-step",
+        nargs=3,
+        metavar=("MODEL", "LEVEL", "OUT"),
+        default=None,
+        help="(internal) the first section's worker: one step in this fresh process",
+    )
     args = p.parse_args(argv)
     if args.dry_run:
         args.device, args.tiny = "cpu", True
@@ -248,6 +262,7 @@ def render(results: dict[str, Any]) -> str:
 _TITLES = {
     "exact": "levels 0-5 against no checkpointing (fp32, deterministic)",
     "replay": "dropout/drop-path replay with fused attention",
+    "first": "the first step of a fresh process, against a plain one's",
     "memory": "predicted peak against the measured one, per level",
     "suggest": "suggest_level / plan_for_budget, their plan run at the batch",
     "inductor": "torch.compile against eager, per level",
@@ -266,6 +281,23 @@ def _render_exact(rows: list[dict[str, Any]]) -> list[str]:
                 _yes(r.get("exact")),
                 _num(r.get("max_abs")),
                 _yes(r.get("plain_reproducible")),
+                r.get("error") or "",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _render_first(rows: list[dict[str, Any]]) -> list[str]:
+    return _table(
+        ["model", "dtype", "variant", "max rel diff", "ok", "error"],
+        [
+            [
+                r["model"],
+                r.get("dtype", ""),
+                r["variant"],
+                _num(r.get("max_rel")),
+                _yes(r.get("ok")),
                 r.get("error") or "",
             ]
             for r in rows
@@ -498,6 +530,7 @@ def _derive_summary(rows: list[dict[str, Any]]) -> list[str]:
 _RENDERERS: dict[str, Callable[[list[dict[str, Any]]], list[str]]] = {
     "exact": _render_exact,
     "replay": _render_replay,
+    "first": _render_first,
     "memory": _render_memory,
     "suggest": _render_suggest,
     "inductor": _render_inductor,
@@ -525,7 +558,7 @@ def failures(results: dict[str, Any]) -> list[str]:
                 and r.get("variant") != "own"  # the model's own switch is reported, not ours
             ):
                 out.append(f"{where}: not exact (max abs diff {r.get('max_abs')})")
-            elif section in ("replay", "inductor") and r.get("ok") is False:
+            elif section in ("replay", "inductor", "first") and r.get("ok") is False:
                 detail = ", ".join(
                     f"{k} {r[k]}" for k in ("dtype", "backend", "region", "scope") if k in r
                 )
@@ -692,6 +725,65 @@ def check_exact(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> 
                 rows.append(row)
                 _progress("exact", row)
         _free(args.device)
+    return rows
+
+
+def first_step(name: str, level: int, args: argparse.Namespace, out: str) -> None:
+    """One training step, the first of this process (``--first-step`` runs it): the model of
+    ``name`` at ``level`` (0: plain), bf16 autocast where the device has it, dropout on; its
+    output and gradients saved to ``out``."""
+    import vision_ckpt
+
+    device = args.device
+    options = (TINY_MODELS if args.tiny else FULL_MODELS).get(name, {})
+    model = build(name, options, drop=0.1, attn_drop_rate=0.1).to(device)
+    if level:
+        vision_ckpt.apply_preset(model, level)
+    x, y = _data(2, args.image, device)
+    bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
+    torch.save(train_step(model, x, y, autocast=torch.bfloat16 if bf16 else None), out)
+
+
+def check_first(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_first_") as tmp:
+        for name in args.models:
+            family = next((f for f in REPLAY_LEVELS if name.startswith(f)), None)
+            if family is None:
+                continue
+            variants = {"plain": 0, "plain again": 0}
+            variants.update({f"{k} (L{v})": v for k, v in REPLAY_LEVELS[family].items()})
+            grads: dict[str, Any] = {}
+            errors: dict[str, str] = {}
+            for variant, level in variants.items():
+                out = str(Path(tmp) / f"{len(grads) + len(errors)}.pt")
+                argv = [sys.executable, __file__, "--first-step", name, str(level), out]
+                argv += ["--image", str(args.image), "--device", args.device]
+                argv += ["--tiny"] if args.tiny else []
+                done = subprocess.run(argv, capture_output=True, text=True, check=False)
+                if done.returncode == 0:
+                    grads[variant] = torch.load(out)
+                else:
+                    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                    errors[variant] = last.replace("|", "/")[:300]
+            bf16 = args.device.startswith("cuda") and torch.cuda.is_bf16_supported()
+            # the device's own run-to-run difference: two plain first steps
+            noise = (
+                compare(grads["plain again"], grads["plain"])[1]
+                if {"plain", "plain again"} <= grads.keys()
+                else 0.0
+            )
+            for variant in variants:
+                row: dict[str, Any] = {"model": name, "variant": variant}
+                row["dtype"] = "bf16" if bf16 else "fp32"
+                if variant in errors:
+                    row["error"], row["ok"] = errors[variant], False
+                elif variant != "plain" and "plain" in grads:
+                    row["max_rel"] = compare(grads[variant], grads["plain"])[1]
+                    if not variant.startswith("plain"):
+                        row["ok"] = row["max_rel"] <= noise
+                rows.append(row)
+                _progress("first", row)
     return rows
 
 
@@ -1165,6 +1257,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     checks: dict[str, Callable[[], list[dict]]] = {
         "exact": lambda: check_exact(args, models),
         "replay": lambda: check_replay(args, models),
+        "first": lambda: check_first(args, models),
         "memory": lambda: check_memory(args, models),
         "suggest": lambda: check_suggest(args, models, results["sections"].get("memory", [])),
         "inductor": lambda: check_inductor(args, models),
@@ -1193,6 +1286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render is not None:
         print(render(json.loads(Path(args.render).read_text())), end="")
+        return 0
+    if args.first_step is not None:
+        name, level, out = args.first_step
+        first_step(name, int(level), args, out)
         return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(

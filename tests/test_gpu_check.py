@@ -83,6 +83,16 @@ RESULTS = {
                 "ok": False,
             },
         ],
+        "first": [
+            {"model": "vit", "dtype": "bf16", "variant": "plain again", "max_rel": 0.0},
+            {
+                "model": "vit",
+                "dtype": "bf16",
+                "variant": "full (L3)",
+                "ok": False,
+                "error": "CheckpointError: recomputed tensors differ",
+            },
+        ],
         "memory": [
             {
                 "model": "vit",
@@ -169,6 +179,7 @@ def test_failures_name_each_failed_check_and_only_those(gpu_check) -> None:
     assert gpu_check.failures(RESULTS) == [
         "exact resnet50 L3: not exact (max abs diff 1e-07)",
         "replay vit L1: max rel diff 0.8 (dtype bf16, backend flash, region selective, scope step)",
+        "first vit: CheckpointError: recomputed tensors differ",
         "memory vit L0: predicted 0.900x of the measured peak (an underestimate over 5%)",
         "inductor resnet50 L1: AssertionError: context_fn",
         "derive levit: not exact (max abs diff 2e-07)",
@@ -188,7 +199,11 @@ def test_render_writes_one_table_per_section(gpu_check, tmp_path, capsys) -> Non
         "- levit: derived in 26 s; first level <= 0.5x L0: D2 (0.39x, 1.30x time); top D2 "
         "0.56x own switch" in text
     )
-    assert "**5 failed check(s)**" in text
+    assert (
+        "| vit | bf16 | full (L3) | - | **no** | CheckpointError: recomputed tensors differ |"
+        in text
+    )
+    assert "**6 failed check(s)**" in text
     path = tmp_path / "results.json"
     path.write_text(json.dumps(RESULTS))
     assert gpu_check.main(["--render", str(path)]) == 0
@@ -239,3 +254,14 @@ def test_the_derive_section_runs_on_cpu(gpu_check, tmp_path) -> None:
         assert r["predicted"] == pytest.approx(r["allocated"], rel=0.05)
         assert r["alloc_ratio"] < 1.0 and r["time_ratio"] > 0
     assert rows[0]["derive_s"] > 0 and rows[0]["alloc_ratio"] == 1.0
+
+
+def test_the_first_step_section_runs_each_variant_in_a_fresh_process(gpu_check, tmp_path) -> None:
+    argv = ["--dry-run", "--sections", "first", "--models", "vit_tiny_patch16_224,resnet18"]
+    args = gpu_check.parse_args([*argv, "--out", str(tmp_path)])
+    rows = gpu_check.run(args, argv)["sections"]["first"]
+    # only the models with attention; the plain process twice, then a selective and a full level
+    assert [r["variant"] for r in rows] == ["plain", "plain again", "selective (L1)", "full (L3)"]
+    assert all(r.get("error") is None for r in rows), rows
+    assert [r.get("ok") for r in rows] == [None, None, True, True]
+    assert rows[2]["max_rel"] == rows[3]["max_rel"] == 0.0
