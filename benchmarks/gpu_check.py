@@ -112,14 +112,12 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
     "efficientnet_b0": {},
 }
 # The models with fused attention, and the levels at which a layer is a selective / full region.
+REPLAY_LEVELS = {"vit": {"selective": 1, "full": 3}, "swin": {"selective": 1, "full": 2}}
+# timm families whose constructor takes no drop_path_rate
+NO_DROP_PATH = ("densenet", "efficientvit_b")
 # The derive section: models no preset knows, and ResNet-50, whose preset is the reference.
 DERIVE_MODELS = ("resnet50", "efficientvit_b0", "levit_128", "fastvit_t8")
 TINY_DERIVE_MODELS = ("efficientvit_b0",)  # at 64 px its activations outweigh its weights
-REPLAY_LEVELS = {"vit": {"selective": 1, "full": 3}, "swin": {"selective": 1, "full": 2}}
-NO_DROP_PATH = (
-    "densenet",
-    "efficientvit_b",
-)  # timm families whose constructor takes no drop_path_rate
 
 
 # --------------------------------------------------------------------------------------------
