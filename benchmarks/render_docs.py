@@ -116,7 +116,9 @@ NOTES: dict[str, str] = {
     "MAnet one on top of its derived level 4, beside level 0, batch 32, real steps; whether a "
     "cheaper point than the derived levels exists near half of level 0's peak (see "
     "[derive.md](derive.md)), and what TinyViT's norm-first MLPs made lean alone take off. "
-    "LeViT-128 and EfficientViT-B0 are eleven rounds, the others five.",
+    "LeViT-128, EfficientViT-B0 and FastViT-T8 (the program's own fastest mixes at 0.5x and "
+    "0.45x of level 0, at 224 px: the model's default is 256) are eleven rounds, the others "
+    "five.",
     "presets_b8": "Written by `python benchmarks/bench_presets.py --batch-sizes 8 --reps 1 "
     "--variants L0,L1,L2,L3,L4,L5 --threads 1` after issue 25's region model (one rung type, "
     "one nesting rule, one keep policy, spans built by the plan): every level's peak of the six "
