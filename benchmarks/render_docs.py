@@ -116,9 +116,14 @@ NOTES: dict[str, str] = {
     "MAnet one on top of its derived level 4, beside level 0, batch 32, real steps; whether a "
     "cheaper point than the derived levels exists near half of level 0's peak (see "
     "[derive.md](derive.md)), and what TinyViT's norm-first MLPs made lean alone take off. "
-    "LeViT-128, EfficientViT-B0 and FastViT-T8 (the program's own fastest mixes at 0.5x and "
-    "0.45x of level 0, at 224 px: the model's default is 256) are eleven rounds, the others "
-    "five.",
+    "The `*_half` and `fastvit_045` plans are the derivation program's own fastest mixes "
+    "under 0.5x (0.45x) of level 0's peak (FastViT-T8 at 224 px: the model's default is 256). "
+    "LeViT-128, EfficientViT-B0 and FastViT-T8 are eleven rounds, the others five.",
+    "selective_overhead": "Written by `python benchmarks/selective_overhead.py --threads 1 "
+    "--out ...`: one full and one selective region around a chain of 40 conv 1x1 + "
+    "BatchNorm + Hardswish layers (64 channels, batch 32) at four spatial sizes, against the "
+    "plain step: the clock against the modelled price, which charges a selective region only "
+    "the operators it runs again (see [derive.md](derive.md)).",
     "presets_b8": "Written by `python benchmarks/bench_presets.py --batch-sizes 8 --reps 1 "
     "--variants L0,L1,L2,L3,L4,L5 --threads 1` after issue 25's region model (one rung type, "
     "one nesting rule, one keep policy, spans built by the plan): every level's peak of the six "
