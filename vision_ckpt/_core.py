@@ -399,10 +399,9 @@ def _capture_autocast(device_type: str) -> tuple[Any, ...] | None:
 # change for good is what the forward's operators after it ran under. (Operators before such a
 # change that depend on it would be recomputed under the new value; the lazy reorder comes
 # before the first attention kernel runs.) A run of sibling calls compares each call with what
-# the call before it left. A switch torch refuses to read
-# (a mix of its legacy and new TF32 APIs) is left as it is. The values are restored through the
-# legacy setters, in the order of the table, so the float32 matmul precision is set before the
-# TF32 flag it implies.
+# the call before it left. A switch torch refuses to read (a mix of its legacy and new TF32
+# APIs) is left as it is. The values are restored through the legacy setters, in the order of
+# the table, so the float32 matmul precision is set before the TF32 flag it implies.
 
 
 def _setting_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...]:
@@ -485,9 +484,7 @@ def _capture_settings() -> tuple[Any, ...]:
 def _settle_settings(frame: Any) -> None:
     """After a region's forward: the switches it ended under are the ones it is recomputed
     under (NOTE [ Settings that choose kernels ])."""
-    now = _capture_settings()
-    if now != frame.settings:
-        frame.settings = now
+    frame.settings = _capture_settings()
 
 
 class _Settings:
@@ -1134,14 +1131,13 @@ def _forward(
         _pop_hooks()
         del frame._user_hooks
         state.region_depth -= 1
-    if finished:
-        _settle_settings(frame)
     if not finished:  # the forward context swallowed an exception raised by the region
         raise CheckpointError(
             f"vision_ckpt.checkpoint: the forward context from context_fn suppressed an exception "
             f"raised inside region {_region_name(frame)}; checkpoint has no output to return. "
             "Let the exception propagate from the context manager."
         )
+    _settle_settings(frame)
     return out
 
 

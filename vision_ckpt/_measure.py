@@ -211,9 +211,9 @@ class FitCheck:
 #    is the allocator's peak while it ran (read and reset after each operator of the measured
 #    step), so a workspace or scratch tensor that grows with the batch gets its own line where
 #    it happens. Moving the tracker's timeline up by one constant, the allocator's excess at the
-#    measured batch, missed such growth wherever it decides the peak: ViT-S/16's level 5 peaks
-#    in a fused attention backward, whose excess over the live tensors grows with the batch;
-#    it was predicted at 0.94x its allocated peak at batch 32 on an H100. The readings are
+#    measured batch, missed such growth wherever it decides the peak: at ViT-S/16's level 5
+#    the allocator's excess over the live tensors at the peak grew from 80 MB (batches 2-16) to
+#    112 MB (batch 32), and the peak was predicted at 0.94x on an H100. The readings are
 #    taken in the warm-up step and moved by a constant so that their largest is the warmed-up
 #    step's peak.
 # 3. That line is a model, not a measurement. A plan predicted to fit is confirmed by a real step
