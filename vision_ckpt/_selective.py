@@ -275,6 +275,11 @@ class _KeepBeforeWrite(TorchDispatchMode):
     def __init__(self, caching_mode: Any) -> None:
         super().__init__()
         self.caching_mode = caching_mode
+        # kept wrappers by the identity of their storage, built up as the cache grows: a scan
+        # of the whole cache at every in-place operator made a region's forward quadratic in
+        # its operators (a BatchNorm's running-statistics update is one such operator)
+        self._by_storage: dict[int, list[Any]] = {}
+        self._indexed: dict[Any, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -285,17 +290,39 @@ class _KeepBeforeWrite(TorchDispatchMode):
                     self._copy_kept(value)
         return func(*args, **kwargs)
 
-    def _copy_kept(self, target: torch.Tensor) -> None:
-        # The storage object's identity, not its data pointer: FakeTensors (a meta-device
-        # forward, FakeTensorMode) have no data, and empty storages share pointer 0.
-        storage = target.untyped_storage()._cdata
-        for entries in list(self.caching_mode.storage.values()):
-            kept = list(entries.values()) if isinstance(entries, dict) else list(entries)
-            for wrapper in tree_leaves(kept):
+    def __exit__(self, *exc: Any) -> Any:
+        # the index must not hold kept outputs past the forward: the recomputation frees each
+        # one as it hands it back
+        self._by_storage.clear()
+        self._indexed.clear()
+        return super().__exit__(*exc)
+
+    def _index_new_entries(self) -> None:
+        # Each operator's entries are filled in call order (a list, or a dict by call index
+        # 0, 1, ...), so those past the count already indexed are the new ones.
+        for key, entries in self.caching_mode.storage.items():
+            start, end = self._indexed.get(key, 0), len(entries)
+            if end == start:
+                continue
+            if isinstance(entries, dict):
+                new = [entries.get(index) for index in range(start, end)]
+            else:
+                new = list(entries[start:end])
+            self._indexed[key] = end
+            for wrapper in tree_leaves(new):
                 value = getattr(wrapper, "val", None)
-                if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata == storage:
-                    wrapper.val = value.clone()
-                    wrapper.version = wrapper.val._version
+                if isinstance(value, torch.Tensor):
+                    # The storage object's identity, not its data pointer: FakeTensors (a
+                    # meta-device forward, FakeTensorMode) have no data, and empty storages
+                    # share pointer 0.
+                    storage = value.untyped_storage()._cdata
+                    self._by_storage.setdefault(storage, []).append(wrapper)
+
+    def _copy_kept(self, target: torch.Tensor) -> None:
+        self._index_new_entries()
+        for wrapper in self._by_storage.pop(target.untyped_storage()._cdata, ()):
+            wrapper.val = wrapper.val.clone()
+            wrapper.version = wrapper.val._version
 
 
 # NOTE [ Random operators are recomputed ]
