@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from _models import TinyViT
 from torch import nn
 
 import vision_ckpt
 from vision_ckpt import derive_preset
 from vision_ckpt._optimise import Block, Option, Span
 from vision_ckpt._planner import least_memory
+from vision_ckpt._price import cheap_product_flops
 from vision_ckpt.cli import main
 from vision_ckpt.derive import regions_of
 from vision_ckpt.errors import ConfigError
@@ -779,3 +781,22 @@ def test_every_derived_level_of_the_issues_models_is_exact(
     peaks = [found.peak0] + [lv.peak for lv in found.levels]
     assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0], peaks
     _every_level_is_exact(model, found, assert_exact, exact_step, img)
+
+
+def test_products_cheap_to_redo_are_redone_in_blocks_and_stages(assert_exact, exact_step) -> None:
+    """NOTE [ Products cheap to redo ]: a block whose q @ k^T (16 channels a head) and 32-wide
+    linear layers cost under the price's break-even may be selective with them redone; so may
+    an MBConv, a stage of single layers, with its depthwise convolution redone. The preset
+    writes it as a keep, and every level stays exact."""
+    below = cheap_product_flops("cpu")
+    cases = (
+        (TinyViT(img=32, depth=4), 32, "selective_below"),
+        (_stem_stack_head([_InvertedResidual(64) for _ in range(3)], 64), 16, "stage_below"),
+    )
+    for model, img, way in cases:
+        torch.manual_seed(0)
+        found = derive_preset(model, torch.randn(2, 3, img, img), batch_size=16, floor=False)
+        assert way in {s for lv in found.levels for s in lv.strategies.values()}, way
+        assert f"heavy<{below}" in {str(r.keep) for r in found.rules}, way
+        assert f"below: {below}" in found.to_yaml()
+        _every_level_is_exact(model, found, assert_exact, exact_step, img)

@@ -212,7 +212,8 @@ def test_six_blocks_plan_is_as_fast_as_exhaustive_search_and_fits() -> None:
 
 
 @pytest.mark.parametrize(
-    ("strategies", "share"), [(("selective",), 0.9), (("full",), 0.05), (("nested",), 0.05)]
+    ("strategies", "share"),
+    [(("selective",), 0.9), (("selective_below",), 0.5), (("full",), 0.05), (("nested",), 0.05)],
 )
 def test_each_strategy_alone_is_exact(strategies: tuple[str, ...], share: float) -> None:
     model = _six_blocks().train()
@@ -233,6 +234,27 @@ def test_each_strategy_alone_is_exact(strategies: tuple[str, ...], share: float)
     default_loss(model(x)).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+def test_redoing_cheap_products_is_priced_between_selective_and_full() -> None:
+    """NOTE [ Products cheap to redo ]: TinyViT's q @ k^T (16 channels a head) and its 32-wide
+    linear layers cost under the break-even per output; its MLP's second layer (128 wide) does
+    not. So every block redoing them keeps less than selective and more than full, and its
+    recomputation costs more than selective's and less than the whole block's."""
+    result = plan_for_budget(
+        _six_blocks(),
+        _x(),
+        "1GiB",
+        batch_size=8,
+        config=CONFIG,
+        strategies=("selective", "selective_below", "full"),
+    )
+    assert len(result.candidates) == 6
+    for block in result.candidates:
+        options = block["options"]
+        selective, below, full = (options[s] for s in ("selective", "selective_below", "full"))
+        assert full["kept"] < below["kept"] < selective["kept"], block["name"]
+        assert selective["seconds"] < below["seconds"] < full["seconds"], block["name"]
 
 
 def _resnet18() -> torch.nn.Module:

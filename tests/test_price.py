@@ -9,7 +9,13 @@ from torch import nn
 
 import vision_ckpt
 from vision_ckpt._measure import Workload, default_loss
-from vision_ckpt._price import ModelledClock, modelled_step_seconds, op_flops, op_seconds
+from vision_ckpt._price import (
+    ModelledClock,
+    cheap_product_flops,
+    modelled_step_seconds,
+    op_flops,
+    op_seconds,
+)
 
 aten = torch.ops.aten
 
@@ -77,3 +83,24 @@ def test_a_step_is_priced_alike_every_time_with_its_recomputation() -> None:
     # the recomputation is priced: more than the plain step, at most one forward more (the
     # core stops a recomputation once it has what the backward needs)
     assert plain < checkpointed <= plain + clock.seconds
+
+
+def test_a_product_under_the_break_even_costs_less_than_an_activation_of_its_output() -> None:
+    """NOTE [ Products cheap to redo ]: a product of fewer FLOPs per output element than
+    ``cheap_product_flops`` is priced under a ReLU of its output, one of more over it."""
+    relu, mm = aten.relu.default, aten.mm.default
+    for device, dtype in (
+        ("cpu", torch.float32),
+        ("cuda", torch.float32),
+        ("cuda", torch.bfloat16),
+    ):
+        out = torch.randn(512, 512, dtype=dtype)
+        streamed = op_seconds(relu, (out,), {}, relu(out), device)
+        length = cheap_product_flops(device, out.element_size()) // 2  # 2 FLOPs a multiply-add
+        for reduction, cheaper in ((length - 8, True), (length + 8, False)):
+            a, b = (
+                torch.randn(512, reduction, dtype=dtype),
+                torch.randn(reduction, 512, dtype=dtype),
+            )
+            product = op_seconds(mm, (a, b), {}, a @ b, device)
+            assert product < streamed if cheaper else product > streamed, (device, reduction)

@@ -36,7 +36,7 @@ from ._measure import (
 )
 from ._memory import count_saved_bytes, format_bytes
 from ._optimise import Block, Choice, Option, Span, choose, predict
-from ._price import modelled_step_seconds, op_seconds
+from ._price import cheap_product_flops, modelled_step_seconds, op_seconds
 from ._search import check_margin
 from ._selective import HEAVY_OPS, SaveOps
 from .apply import plan as _plan, run_members
@@ -52,6 +52,7 @@ __all__ = [
     "planner_frontier",
     "resolve_auto",
     "level_signature",
+    "PLANNER_MENU",
     "STRATEGIES",
     "Menus",
     "measure_menus",
@@ -59,19 +60,24 @@ __all__ = [
     "step_seconds",
 ]
 
-STRATEGIES: tuple[str, ...] = ("keep", "selective", "full", "nested", "stage")
+STRATEGIES: tuple[str, ...] = ("keep", "selective", "selective_below", "full", "nested", "stage")
 """The menu of a block: ``keep`` (no checkpoint), ``selective`` (keep the outputs of
-convolutions, matrix products and attention; recompute the rest), ``full`` (keep only the
-block's input), ``nested`` (full, and while the block is recomputed its inner regions of the
-plan are checkpointed again: less memory during its backward, for a second recomputation of
-them; offered only for blocks that have inner regions), ``stage`` (the module holding a run of
-blocks, a stage, is one selective region: it also recomputes what the blocks pass each other;
-every block of the stage takes it or none does)."""
+convolutions, matrix products and attention; recompute the rest), ``selective_below``
+(selective, and the products cheaper to redo than a norm are redone too: NOTE [ Products
+cheap to redo ] in ``_price``), ``full`` (keep only the block's input), ``nested`` (full, and
+while the block is recomputed its inner regions of the plan are checkpointed again: less
+memory during its backward, for a second recomputation of them; offered only for blocks that
+have inner regions), ``stage`` (the module holding a run of blocks, a stage, is one selective
+region: it also recomputes what the blocks pass each other; every block of the stage takes it
+or none does). :data:`PLANNER_MENU` is the planner's default."""
+
+PLANNER_MENU: tuple[str, ...] = ("keep", "selective", "full", "nested", "stage")
+"""The strategies :func:`plan_for_budget` and :func:`planner_frontier` offer unless told others."""
 
 # The levels the planner's config gives each strategy: a selective block is a rung of its own
 # (level 1), full blocks are medium modules (3), the inner regions of nested blocks small ones
 # (2); a training level of 3 then runs exactly the chosen strategies.
-_LEVEL = {"selective": Level(1), "full": Level(3), "nested": Level(3)}
+_LEVEL = {"selective": Level(1), "selective_below": Level(1), "full": Level(3), "nested": Level(3)}
 _INNER_LEVEL = Level(2)
 _TRAINING_LEVEL = Level(3)
 
@@ -379,15 +385,22 @@ class _OpTimes(TorchDispatchMode):
     modelled price of each operator (NOTE [ A modelled price ] in ``_price``)."""
 
     def __init__(
-        self, regions: _Regions, keeps: SaveOps, device: torch.device, modelled: bool = False
+        self,
+        regions: _Regions,
+        keeps: SaveOps,
+        device: torch.device,
+        modelled: bool = False,
+        below: int | None = None,
     ) -> None:
         super().__init__()
         self.regions = regions
         self.keeps = keeps
+        self.keeps_below = SaveOps(keeps.names, below) if below is not None else None
         self.device_type = device.type
         self.modelled = modelled
         self.total: dict[str, float] = defaultdict(float)
         self.recomputed: dict[str, float] = defaultdict(float)
+        self.recomputed_below: dict[str, float] = defaultdict(float)
         self.inner: dict[str, float] = defaultdict(float)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -410,6 +423,8 @@ class _OpTimes(TorchDispatchMode):
         self.total[block] += spent
         if not self.keeps.keeps(func, args):
             self.recomputed[block] += spent
+        if self.keeps_below is not None and not self.keeps_below.keeps(func, args):
+            self.recomputed_below[block] += spent
         if self.regions.inner:
             self.inner[block] += spent
         return out
@@ -443,10 +458,11 @@ def _timed_forward(
     inner: Sequence[str],
     runs: dict[str, list[str]],
     modelled: bool,
+    below: int | None = None,
 ) -> _OpTimes:
     keeps = SaveOps(HEAVY_OPS, default=True)
     with _regions(work.model, blocks, inner, runs) as regions:
-        with _OpTimes(regions, keeps, work.device, modelled) as times:
+        with _OpTimes(regions, keeps, work.device, modelled, below) as times:
             out = work.model(x)
         del out
     return times
@@ -458,13 +474,20 @@ def _strategy_config(
     strategies: dict[str, str],
     inner_of: dict[str, list[str]],
     stage_of: dict[str, str] | None = None,
+    below: int | None = None,
 ) -> CheckpointConfig:
     """A config that runs ``strategies`` (block -> strategy) and nothing else; a block whose
-    strategy is ``stage`` makes its stage (``stage_of``) one selective region.
+    strategy is ``stage`` makes its stage (``stage_of``) one selective region; one whose
+    strategy is ``selective_below`` or ``stage_below`` redoes the products under ``below`` FLOPs
+    per output.
 
     Its rules replace the base config's and its preset (a module keeps a rung per strategy, so
     a rule could not switch off the preset's other rung); the base's run options stay."""
-    stages = {(stage_of or {})[b] for b, s in strategies.items() if s == "stage"}
+    stages = {
+        (stage_of or {})[b]: _keep_of(s, below)
+        for b, s in strategies.items()
+        if s in ("stage", "stage_below")
+    }
     ends = _run_ends(entries)
     rules = []
     for entry in entries:
@@ -473,24 +496,31 @@ def _strategy_config(
                 LevelRule(
                     match=exact_name_pattern(entry.name),
                     level=_LEVEL["selective"],
-                    keep="heavy",
+                    keep=stages[entry.name],
                 )
             )
             continue
         strategy = strategies.get(entry.name, "keep")
-        if strategy in ("keep", "stage"):
+        if strategy in ("keep", "stage", "stage_below"):
             continue
         rules.append(
             LevelRule(
                 match=exact_name_pattern(entry.name),
                 level=_LEVEL[strategy],
-                keep="heavy" if strategy == "selective" else None,
-                through=None if strategy == "selective" else _block_run(entry),
+                keep=_keep_of(strategy, below),
+                through=None if strategy.startswith("selective") else _block_run(entry),
             )
         )
         if strategy == "nested":
             rules += _inner_rules(ends, inner_of[entry.name])
     return _only(base, rules)
+
+
+def _keep_of(strategy: str, below: int | None) -> Any:
+    """What a region of ``strategy`` keeps, as a rule's ``keep``."""
+    if strategy.endswith("_below"):  # NOTE [ Products cheap to redo ] in _price
+        return {"ops": "heavy", "below": below}
+    return "heavy" if strategy in ("selective", "stage") else None
 
 
 def _run_ends(entries: Sequence[Any]) -> dict[str, str]:
@@ -553,10 +583,12 @@ class Menus:
     through: dict[str, str] = field(default_factory=dict)
     """Block -> the last sibling of the run it is (a stem's ``through``), for the blocks that
     are runs."""
+    below: int | None = None
+    """The ``below`` of the ``selective_below`` strategy (NOTE [ Products cheap to redo ])."""
 
     def config_for(self, strategies: dict[str, str]) -> CheckpointConfig:
         return _strategy_config(
-            self.base_config, self.entries, strategies, self.inner_of, self.stage_of
+            self.base_config, self.entries, strategies, self.inner_of, self.stage_of, self.below
         )
 
 
@@ -574,7 +606,9 @@ class _Setup:
     groups: list[tuple[str, int, int]]
     stages: list[str]
     every_stage: CheckpointConfig
+    every_stage_below: CheckpointConfig | None
     candidates: list[Any]
+    below: int | None
 
 
 def _setup(
@@ -582,6 +616,7 @@ def _setup(
     base_config: CheckpointConfig,
     menu: tuple[str, ...],
     outer: Sequence[str] = (),
+    below: int | None = None,
 ) -> _Setup:
     """The candidate blocks of ``base_config``'s plan, their inner regions and stages (those of
     ``outer`` in place of the stages inside them), and the configs that run every block one way
@@ -620,8 +655,10 @@ def _setup(
         inner_of=inner_of,
         inner_all=inner_all,
         uniform={
-            s: _strategy_config(base_config, entries, dict.fromkeys(names, s), inner_of)
-            for s in ("selective", "full")
+            s: _strategy_config(
+                base_config, entries, dict.fromkeys(names, s), inner_of, None, below
+            )
+            for s in ("selective", "selective_below", "full")
         },
         inner_only=_only(base_config, _inner_rules(ends, inner_all)),
         groups=groups,
@@ -633,7 +670,18 @@ def _setup(
             inner_of,
             {names[first]: g for g, first, _ in groups},
         ),
+        every_stage_below=_strategy_config(
+            base_config,
+            entries,
+            {names[first]: "stage_below" for _, first, _ in groups},
+            inner_of,
+            {names[first]: g for g, first, _ in groups},
+            below,
+        )
+        if "stage_below" in menu
+        else None,
         candidates=candidates,
+        below=below if {"selective_below", "stage_below"} & set(menu) else None,
     )
 
 
@@ -655,21 +703,28 @@ def _measure_points(
             # a stage's own figures (what runs in it outside its blocks) go to the stage
             for n, v in _saved_by_block(work, x, [*names, *stages], runs).items():
                 kept["keep"][n].append((b, v))
-            times = _timed_forward(work, x, [*names, *stages], setup.inner_all, runs, modelled)
+            times = _timed_forward(
+                work, x, [*names, *stages], setup.inner_all, runs, modelled, setup.below
+            )
             # timed: warmed by the forwards above
             step = modelled_step_seconds if modelled else measure_step_time
             step_time.append((b, step(work, x)))
+        cheap = times.recomputed_below != times.recomputed  # a product under ``below`` ran
         if stages:
             with applied(model, setup.every_stage):
                 for g, v in _saved_by_block(work, x, stages, runs).items():
                     kept["stage"][g].append((b, v))
+        if stages and setup.every_stage_below is not None and cheap:
+            with applied(model, setup.every_stage_below):
+                for g, v in _saved_by_block(work, x, stages, runs).items():
+                    kept["stage_below"][g].append((b, v))
         if stages and "held" in menu:
             whole = [LevelRule(match=exact_name_pattern(g), level=_LEVEL["full"]) for g in stages]
             with applied(model, _only(setup.uniform["full"], whole)):
                 for g, v in _saved_by_block(work, x, stages, runs).items():
                     kept["held"][g].append((b, v))
-        for s in ("selective", "full"):
-            if s in menu or (s == "full" and "nested" in menu):
+        for s in ("selective", "selective_below", "full"):
+            if (s in menu or (s == "full" and "nested" in menu)) and (s[-6:] != "_below" or cheap):
                 with applied(model, setup.uniform[s]):
                     for n, v in _saved_by_block(work, x, names, runs).items():
                         kept[s][n].append((b, v))
@@ -680,10 +735,12 @@ def _measure_points(
         for g, first, last in setup.groups:
             inside = [*names[first : last + 1], g]
             spent["stage"][g].append((b, sum(times.recomputed[n] for n in inside)))
+            spent["stage_below"][g].append((b, sum(times.recomputed_below[n] for n in inside)))
             spent["held"][g].append((b, sum(times.total[n] for n in inside)))
         for n in names:
             spent["full"][n].append((b, times.total[n]))
             spent["selective"][n].append((b, times.recomputed[n]))
+            spent["selective_below"][n].append((b, times.recomputed_below[n]))
             spent["nested"][n].append((b, times.total[n] + times.inner[n]))
     return kept, spent, step_time
 
@@ -704,11 +761,15 @@ def _block_menus(
     for n in setup.names:
         keep_bytes = nbytes(kept["keep"][n])
         options = [Option("keep", keep_bytes, 0, 0.0)]
-        for s in ("selective", "full"):
+        for s in ("selective", "selective_below", "full"):
             if s == "selective" and (spent["selective"][n] == spent["full"][n] or n in setup.runs):
                 # no operator it would keep (a max pool): selective is full, but warns; a run
                 # of sibling modules is one full region only
                 continue
+            if s == "selective_below" and (
+                n in setup.runs or spent[s][n] in (spent["selective"][n], spent["full"][n])
+            ):
+                continue  # no product cheap to redo, or none dear: another option already
             if s in menu:
                 k = nbytes(kept[s][n])
                 options.append(Option(s, k, max(0, keep_bytes - k), seconds(spent[s][n])))
@@ -748,6 +809,20 @@ def _stage_spans(
         seconds = max(0.0, _proportional(spent["stage"][g], target))
         option = Option("stage", max(0, k - own), max(0, held - k), seconds)
         spans.append(Span(g, first, last, option))
+        if kept["stage_below"].get(g) and spent["stage_below"][g] not in (
+            spent["stage"][g],
+            spent["held"][g],
+        ):  # NOTE [ Products cheap to redo ] in _price
+            k = int(max(0.0, _line(kept["stage_below"][g], target)))
+            seconds = max(0.0, _proportional(spent["stage_below"][g], target))
+            spans.append(
+                Span(
+                    g,
+                    first,
+                    last,
+                    Option("stage_below", max(0, k - own), max(0, held - k), seconds),
+                )
+            )
         if kept["held"].get(g):  # NOTE [ A stage recomputed whole ]
             k = int(max(0.0, _line(kept["held"][g], target)))
             seconds = max(0.0, _proportional(spent["held"][g], target))
@@ -789,7 +864,10 @@ def measure_menus(
     block ]), in timed seconds or, with ``modelled``, in the modelled seconds of NOTE [ A
     modelled price ] (``_price``), which are the same on every run; ``outer``: modules priced
     as stages in place of the stages inside them. The model must be restored by the caller."""
-    setup = _setup(work.model, base_config, menu, outer)
+    size = next((p.element_size() for p in work.model.parameters() if p.is_floating_point()), 4)
+    setup = _setup(
+        work.model, base_config, menu, outer, cheap_product_flops(work.device.type, size)
+    )
     kept, spent, step_time = _measure_points(work, target, setup, menu, modelled)
     blocks, table = _block_menus(setup, kept, spent, menu, target)
     spans, stage_table = _stage_spans(setup, kept, spent, blocks, target)
@@ -810,6 +888,7 @@ def measure_menus(
         stage_table=stage_table,
         stage_of={names[i]: g for g, first, last in setup.groups for i in range(first, last + 1)},
         through={e.name: end for e in setup.candidates if (end := _block_run(e)) is not None},
+        below=setup.below,
     )
 
 
@@ -923,7 +1002,7 @@ def plan_for_budget(
     loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     max_rounds: int = 3,
-    strategies: Sequence[str] = STRATEGIES,
+    strategies: Sequence[str] = PLANNER_MENU,
 ) -> BudgetPlan:
     """A strategy per block so the step fits ``budget`` at ``batch_size`` in the least time.
 
@@ -941,7 +1020,8 @@ def plan_for_budget(
         config: the config whose plan gives the candidate blocks (default: the model's preset).
         margin: share of the budget kept free: plans aim at ``budget / (1 + margin)``.
         max_rounds: how many answers may be measured and corrected.
-        strategies: the menu (a subset of :data:`STRATEGIES`; ``keep`` is always on it).
+        strategies: the menu (a subset of :data:`STRATEGIES`, by default :data:`PLANNER_MENU`;
+            ``keep`` is always on it).
 
     Returns:
         A :class:`BudgetPlan`; its ``config`` is ``None`` when nothing fits, neither a plan
@@ -1152,7 +1232,7 @@ def planner_frontier(
     config: CheckpointConfig | None = None,
     loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    strategies: Sequence[str] = STRATEGIES,
+    strategies: Sequence[str] = PLANNER_MENU,
 ) -> list[dict[str, Any]]:
     """The planner's predicted time/peak trade at ``points`` budgets, from one measurement.
 

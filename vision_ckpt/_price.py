@@ -27,7 +27,14 @@ from torch.utils._pytree import tree_leaves
 from ._measure import Workload, run_step
 from ._selective import flops_per_output
 
-__all__ = ["ModelledClock", "modelled_step_seconds", "moves_nothing", "op_flops", "op_seconds"]
+__all__ = [
+    "ModelledClock",
+    "cheap_product_flops",
+    "modelled_step_seconds",
+    "moves_nothing",
+    "op_flops",
+    "op_seconds",
+]
 
 # NOTE [ A modelled price ]
 #
@@ -127,6 +134,32 @@ def op_seconds(
     flops_rate, bytes_rate = _RATES.get(device_type, _RATES["cuda"])
     moved = _bytes(tree_leaves((args, kwargs))) + _bytes(tree_leaves(out))
     return max(op_flops(func, args, out) / flops_rate, moved / bytes_rate)
+
+
+# NOTE [ Products cheap to redo ]
+#
+# A selective region (keep: heavy) keeps every product's output and redoes the norms and
+# activations between them, which cost the bytes they stream. A product with a short reduction
+# (LeViT's and EfficientViT's q @ k^T over 16 channels, a 3x3 convolution of a three-channel
+# image, a depthwise convolution) costs fewer seconds per output element to redo than such an
+# operator does, so keeping it buys memory at a worse rate than redoing it. The break-even,
+# in the price's own rates: an operator that reads one element and writes one moves 2 x the
+# element size in bytes, which takes as long as 2 x size x F / B FLOPs; a product below that
+# many FLOPs per output element is redone (keep: {ops: heavy, below: N}). On CPU with fp32 that
+# is 114 FLOPs, a reduction of 57. Measured on LeViT-128 at batch 32, every block and the stem
+# selective: 0.56x of level 0's peak for 1.13x the clock keeping every product, 0.37x for 1.14x
+# with products under 100 FLOPs redone (benchmarks/bench_plans.py, five rounds).
+
+
+def cheap_product_flops(device_type: str, element_size: int = 4) -> int:
+    """FLOPs per output element under which a product is cheaper to redo than an operator
+    that streams one element in and one out (NOTE [ Products cheap to redo ]).
+
+    >>> cheap_product_flops("cpu")
+    114
+    """
+    flops_rate, bytes_rate = _RATES.get(device_type, _RATES["cuda"])
+    return int(2 * element_size * flops_rate / bytes_rate)
 
 
 class ModelledClock(TorchDispatchMode):

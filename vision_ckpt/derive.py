@@ -440,6 +440,9 @@ def _size(model: nn.Module, span: Span, inner: dict[str, list[Span]]) -> int:
 # level that does not lower the peak by _STEP from the level below is marked as that level's
 # plan and runs it.
 
+# the derivation's menu: the planner's, the ways that redo cheap products (NOTE [ Products
+# cheap to redo ] in _price) and stages recomputed whole (NOTE [ A stage recomputed whole ])
+_MENU = ("keep", "selective", "selective_below", "full", "nested", "stage", "stage_below", "held")
 _SPACING = (0.35, 0.75, 0.9)
 _ROUNDS = 3
 _TOP_SLACK = 0.02
@@ -449,10 +452,12 @@ _RANK = {
     "keep": 0,
     "selective": 1,
     "stage": 1,
-    "full": 2,
-    "held": 2,
-    "nested": 3,
-    "held_nested": 3,
+    "selective_below": 2,
+    "stage_below": 2,
+    "full": 3,
+    "held": 3,
+    "nested": 4,
+    "held_nested": 4,
 }
 
 
@@ -465,11 +470,12 @@ def _allowed(previous: str, option: str) -> bool:
     level only adds regions (NOTE [ Five levels from one menu ])."""
     if previous in ("held", "held_nested"):  # a stage recomputed whole stays so
         return option in ("held_nested", previous)
-    if previous == "stage":
-        return option in ("stage", "full", "nested", "held", "held_nested")
+    if previous in ("stage", "stage_below"):
+        grown = ("stage", "stage_below") if previous == "stage" else ("stage_below",)
+        return option in (*grown, "full", "nested", "held", "held_nested")
     if option == "held_nested":  # the stage whole around blocks recomputed whole (or kept)
         return previous in ("keep", "full")
-    if previous == "selective" and option in ("stage", "held"):
+    if previous in ("selective", "selective_below") and option in ("stage", "stage_below", "held"):
         return False
     return _RANK[option] >= _RANK[previous]
 
@@ -515,8 +521,10 @@ class DerivedLevel:
 
     level: int
     strategies: dict[str, str]
-    """Unit -> ``keep``, ``selective``, ``full``, ``nested``, ``stage`` (its stage one selective
-    region), ``held`` (its stage one region recomputed whole) or ``held_nested`` (that, and
+    """Unit -> ``keep``, ``selective``, ``selective_below`` (selective, and its products cheap
+    to redo redone: NOTE [ Products cheap to redo ] in ``_price``), ``full``, ``nested``,
+    ``stage`` (its stage one selective region), ``stage_below`` (that, redoing its cheap
+    products), ``held`` (its stage one region recomputed whole) or ``held_nested`` (that, and
     the unit recomputed whole again inside it): NOTE [ A stage recomputed whole ]."""
     lean: tuple[str, ...] = ()
     """MLPs run with the lean backward at this level."""
@@ -538,7 +546,16 @@ class DerivedLevel:
         out: dict[str, int] = {}
         for strategy in self.strategies.values():
             out[strategy] = out.get(strategy, 0) + 1
-        ways = ("selective", "stage", "held", "full", "nested", "held_nested")
+        ways = (
+            "selective",
+            "selective_below",
+            "stage",
+            "stage_below",
+            "held",
+            "full",
+            "nested",
+            "held_nested",
+        )
         return {k: out[k] for k in ways if k in out}
 
 
@@ -691,6 +708,10 @@ def _emit(
         if first is not None:  # the planner's stage is a module: a traced stage, or one
             # holding two units of the trace's (GhostNet's shortcut holds two cut runs)
             rules.append(_rule(Span("module", stage, (stage,), 0), first, keep="heavy"))
+        below = _first(ways, ("stage_below",))
+        if below is not None:  # NOTE [ Products cheap to redo ] in _price
+            keep = {"ops": "heavy", "below": menus.below}
+            rules.append(_rule(Span("module", stage, (stage,), 0), below, keep=keep))
         held = _first(ways, ("held", "held_nested"))
         if held is not None:
             rules.append(_rule(Span("module", stage, (stage,), 0), held))
@@ -698,10 +719,13 @@ def _emit(
         sequence = [lv.get(block.name, "keep") for lv in per_level]
         span = spans[block.name]
         selective = _first(sequence, ("selective",))
+        below = _first(sequence, ("selective_below",))
         full = _first(sequence, ("full", "nested", "held_nested"))
         nested = _first(sequence, ("nested",))
         if selective is not None:
             rules.append(_rule(span, selective, keep="heavy"))
+        if below is not None:  # NOTE [ Products cheap to redo ] in _price
+            rules.append(_rule(span, below, keep={"ops": "heavy", "below": menus.below}))
         if full is not None:
             rules.append(_rule(span, full))
         if nested is not None:  # the inner regions the planner priced, with their spans
@@ -935,9 +959,8 @@ def derive_preset(
             )
         base = CheckpointConfig(preset=None, rules=regions.base_rules())
         # modelled prices: the same derivation on every run (NOTE [ A modelled price ])
-        menu = ("keep", "selective", "full", "nested", "stage", "held")
         outer = [s.name for s in regions.stages if s.kind != "stage"]  # blocks of single layers
-        menus = measure_menus(work, target, base, menu, None, True, outer)
+        menus = measure_menus(work, target, base, _MENU, None, True, outer)
         menus.spans = _small_stages_whole(menus, regions)
         levels, rules = _levels(work, regions, menus, target)
         floor_bytes = _floor_at(model, work, target, loss_fn) if floor else None
