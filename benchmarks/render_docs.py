@@ -118,7 +118,11 @@ NOTES: dict[str, str] = {
     "[derive.md](derive.md)), and what TinyViT's norm-first MLPs made lean alone take off. "
     "The `*_half` and `fastvit_045` plans are the derivation program's own fastest mixes "
     "under 0.5x (0.45x) of level 0's peak (FastViT-T8 at 224 px: the model's default is 256). "
-    "LeViT-128, EfficientViT-B0 and FastViT-T8 are eleven rounds, the others five.",
+    "LeViT-128, EfficientViT-B0 and FastViT-T8 are eleven rounds, the others five. The "
+    "`*_selective` and `*_below<N>` plans (five rounds) make the stem and every block one "
+    "selective region, keeping every product or redoing those under N FLOPs per output (NOTE "
+    "[ Products cheap to redo ] in `vision_ckpt._price`); they were run from identical copies "
+    "of the plan files outside the repository.",
     "selective_overhead": "Written by `python benchmarks/selective_overhead.py --threads 1 "
     "--out ...`: one full and one selective region around a chain of 40 conv 1x1 + "
     "BatchNorm + Hardswish layers (64 channels, batch 32) at four spatial sizes, against the "
