@@ -88,7 +88,10 @@ NOTES: dict[str, str] = {
     "is no figure of a derivation alone. The other models' plans are unchanged by that fix and "
     "their modelled ratios are the old price's. DenseNet-121's and Swin-T's rows were then "
     "replaced by an eleven-round run of the two alone (`--reps 11 --models densenet121 "
-    "swin_tiny_patch4_window7_224`, 2026-11-26): the same plans and peaks.",
+    "swin_tiny_patch4_window7_224`, 2026-11-26): the same plans and peaks. After the "
+    "derivation offered products cheap to redo (2026-11-27), the three models whose plans "
+    "changed (ConvNeXt-T, EfficientNet-B0, Swin-T) ran again, five rounds in one process "
+    "beside other benchmarks; the other three derive the plans they derived before.",
     "derive_nopreset_b32": "Written by `python benchmarks/bench_derive.py --threads 1 --reps 5 "
     "--out ... --models "
     "efficientvit_b0 fastvit_t8 'hf:PoolFormerForImageClassification(PoolFormerConfig())' "
@@ -107,7 +110,10 @@ NOTES: dict[str, str] = {
     "run) again over eleven rounds (same plans); MAnet and EfficientViT-B0 (one process, "
     "eleven rounds, beside another benchmark) and VNet (five rounds, likewise) again "
     "after blocks of single layers became stages and the least-memory mix took a stage's "
-    "leanest way (only their plans changed). "
+    "leanest way (only their plans changed). After the derivation offered products cheap to "
+    "redo (2026-11-27), the five whose plans changed ran again: both LeViTs five rounds, "
+    "EfficientViT-B0 and CAFormer-S18 eleven, beside other benchmarks or the test suite, "
+    "FastViT-T8 eleven rounds alone. "
     "Models no preset knows: "
     "derived levels (D) beside the structural fallback's top level (F) and the library's own "
     "switch where it has one, real steps; see [derive.md](derive.md).",
