@@ -648,6 +648,12 @@ def _setup(
     }
     inner_all = [i for n in names for i in inner_of[n]]
     groups = _stage_groups(full_plan, names, outer) if "stage" in menu else []
+    stage_of = {names[first]: g for g, first, _ in groups}
+
+    def every_stage(way: str) -> CheckpointConfig:  # every stage one region run ``way``
+        strategies = dict.fromkeys(stage_of, way)
+        return _strategy_config(base_config, entries, strategies, inner_of, stage_of, below)
+
     return _Setup(
         names=names,
         runs=runs,
@@ -663,23 +669,8 @@ def _setup(
         inner_only=_only(base_config, _inner_rules(ends, inner_all)),
         groups=groups,
         stages=[g for g, _, _ in groups],
-        every_stage=_strategy_config(
-            base_config,
-            entries,
-            {names[first]: "stage" for _, first, _ in groups},
-            inner_of,
-            {names[first]: g for g, first, _ in groups},
-        ),
-        every_stage_below=_strategy_config(
-            base_config,
-            entries,
-            {names[first]: "stage_below" for _, first, _ in groups},
-            inner_of,
-            {names[first]: g for g, first, _ in groups},
-            below,
-        )
-        if "stage_below" in menu
-        else None,
+        every_stage=every_stage("stage"),
+        every_stage_below=every_stage("stage_below") if "stage_below" in menu else None,
         candidates=candidates,
         below=below if {"selective_below", "stage_below"} & set(menu) else None,
     )
