@@ -715,7 +715,9 @@ def _measure_points(
                 for g, v in _saved_by_block(work, x, stages, runs).items():
                     kept["held"][g].append((b, v))
         for s in ("selective", "selective_below", "full"):
-            if (s in menu or (s == "full" and "nested" in menu)) and (s[-6:] != "_below" or cheap):
+            if (s in menu or (s == "full" and "nested" in menu)) and (
+                s != "selective_below" or cheap
+            ):
                 with applied(model, setup.uniform[s]):
                     for n, v in _saved_by_block(work, x, names, runs).items():
                         kept[s][n].append((b, v))
@@ -796,24 +798,20 @@ def _stage_spans(
     for g, first, last in setup.groups:
         own = int(max(0.0, _line(kept["keep"][g], target)))
         held = own + sum(blocks[i].options[0].kept for i in range(first, last + 1))
-        k = int(max(0.0, _line(kept["stage"][g], target)))
-        seconds = max(0.0, _proportional(spent["stage"][g], target))
-        option = Option("stage", max(0, k - own), max(0, held - k), seconds)
+
+        def way(strategy: str, g: str = g, own: int = own, held: int = held) -> Option:
+            """The stage as one selective region (keeping its products, or the dear ones)."""
+            k = int(max(0.0, _line(kept[strategy][g], target)))
+            seconds = max(0.0, _proportional(spent[strategy][g], target))
+            return Option(strategy, max(0, k - own), max(0, held - k), seconds)
+
+        option = way("stage")
         spans.append(Span(g, first, last, option))
         if kept["stage_below"].get(g) and spent["stage_below"][g] not in (
             spent["stage"][g],
             spent["held"][g],
         ):  # NOTE [ Products cheap to redo ] in _price
-            k = int(max(0.0, _line(kept["stage_below"][g], target)))
-            seconds = max(0.0, _proportional(spent["stage_below"][g], target))
-            spans.append(
-                Span(
-                    g,
-                    first,
-                    last,
-                    Option("stage_below", max(0, k - own), max(0, held - k), seconds),
-                )
-            )
+            spans.append(Span(g, first, last, way("stage_below")))
         if kept["held"].get(g):  # NOTE [ A stage recomputed whole ]
             k = int(max(0.0, _line(kept["held"][g], target)))
             seconds = max(0.0, _proportional(spent["held"][g], target))

@@ -697,24 +697,26 @@ def _emit(
     fallback: Sequence[LevelRule] = (),
 ) -> list[LevelRule]:
     """Rules that run ``per_level[k - 1]`` at training level k (NOTE [ Five levels from one
-    menu ]): per unit a selective rung, a full rung and its inner regions, each from the first
-    level that uses it; per stage a selective rung from the first level it is chosen."""
+    menu ]): per unit a selective rung, one redoing its cheap products, a full rung and its
+    inner regions, each from the first level that uses it; per stage the same for its ways."""
     spans = regions.named()
     rules: list[LevelRule] = []
+    cheap = {"ops": "heavy", "below": menus.below}  # NOTE [ Products cheap to redo ] in _price
     for stage in dict.fromkeys(menus.stage_of.values()):
         inside = [b.name for b in menus.blocks if menus.stage_of.get(b.name) == stage]
         ways = [lv.get(inside[0], "keep") for lv in per_level]
+        # the planner's stage is a module: a traced stage, or one holding two units of the
+        # trace's (GhostNet's shortcut holds two cut runs)
+        module = Span("module", stage, (stage,), 0)
         first = _first(ways, ("stage",))
-        if first is not None:  # the planner's stage is a module: a traced stage, or one
-            # holding two units of the trace's (GhostNet's shortcut holds two cut runs)
-            rules.append(_rule(Span("module", stage, (stage,), 0), first, keep="heavy"))
+        if first is not None:
+            rules.append(_rule(module, first, keep="heavy"))
         below = _first(ways, ("stage_below",))
-        if below is not None:  # NOTE [ Products cheap to redo ] in _price
-            keep = {"ops": "heavy", "below": menus.below}
-            rules.append(_rule(Span("module", stage, (stage,), 0), below, keep=keep))
+        if below is not None:
+            rules.append(_rule(module, below, keep=cheap))
         held = _first(ways, ("held", "held_nested"))
         if held is not None:
-            rules.append(_rule(Span("module", stage, (stage,), 0), held))
+            rules.append(_rule(module, held))
     for block in menus.blocks:
         sequence = [lv.get(block.name, "keep") for lv in per_level]
         span = spans[block.name]
@@ -724,8 +726,8 @@ def _emit(
         nested = _first(sequence, ("nested",))
         if selective is not None:
             rules.append(_rule(span, selective, keep="heavy"))
-        if below is not None:  # NOTE [ Products cheap to redo ] in _price
-            rules.append(_rule(span, below, keep={"ops": "heavy", "below": menus.below}))
+        if below is not None:
+            rules.append(_rule(span, below, keep=cheap))
         if full is not None:
             rules.append(_rule(span, full))
         if nested is not None:  # the inner regions the planner priced, with their spans
