@@ -1,27 +1,37 @@
 """The rates behind the modelled price (NOTE [ A modelled price ] in vision_ckpt/_price.py).
 
-Times every operator of one training step (forward and backward) of a few timm models, on one
-thread, and prints the FLOPs per second of the operators with FLOPs (convolutions, matrix
-products, fused attention: ``_price.op_flops``) and the bytes per second of the rest (views
-and ``aten._unsafe_view`` left out: ``_price.moves_nothing``). Their ratio is what the
-modelled price's choices depend on.
+Times every operator of training steps (forward and backward) of a few models, on one thread,
+and reports the FLOPs per second of the operators with FLOPs (convolutions, matrix products,
+fused attention: ``_price.op_flops``) and the bytes per second of the rest (views and
+``aten._unsafe_view`` left out: ``_price.moves_nothing``). Their ratio is what the modelled
+price's choices depend on. Each model runs one warm-up step, then ``--reps`` timed steps; a
+model's rates are the medians over its steps, the pooled rates are all models' FLOPs (bytes)
+over all their seconds, per step, the median over steps.
 
-    python benchmarks/price_calibration.py --batch-size 8 \
-        --models resnet50 vit_small_patch16_224 convnext_tiny
+    python benchmarks/price_calibration.py --batch-size 32 --reps 3 \
+        --models resnet50 vit_small_patch16_224 convnext_tiny levit_128 efficientvit_b0 \
+        --out benchmarks/results/price_calibration
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
+import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
-import timm
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from vision_ckpt._price import moves_nothing, op_flops
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_derive import _model_and_input  # noqa: E402  (a script beside this one)
 
 
 class _Timed(TorchDispatchMode):
@@ -46,46 +56,81 @@ class _Timed(TorchDispatchMode):
         return out
 
 
+def _sums(rows: list[tuple[str, int, int, float]]) -> tuple[float, float, float, float]:
+    """FLOPs, their seconds, bytes of the operators without FLOPs, their seconds."""
+    heavy = [r for r in rows if r[1] > 0]
+    light = [r for r in rows if r[1] == 0]
+    return (
+        sum(r[1] for r in heavy),
+        sum(r[3] for r in heavy),
+        sum(r[2] for r in light),
+        sum(r[3] for r in light),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--reps", type=int, default=1, help="timed steps per model")
     parser.add_argument("--models", nargs="+", default=["resnet50", "vit_small_patch16_224"])
+    parser.add_argument("--out", type=Path, help="a folder to write results.json in")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    pooled = [0.0, 0.0, 0.0, 0.0]  # FLOPs, their seconds, bytes, their seconds
+    per_step: list[list[tuple[float, float, float, float]]] = [[] for _ in range(args.reps)]
+    rows = []
     for name in args.models:
-        model = timm.create_model(name, pretrained=False)
-        x = torch.randn(args.batch_size, 3, 224, 224)
+        model, x = _model_and_input(name, args.batch_size, args.img_size)
+        model.train()
         model(x).square().mean().backward()  # warm-up
-        with _Timed() as timed:
-            model(x).square().mean().backward()
-        heavy = [r for r in timed.rows if r[1] > 0]
-        light = [r for r in timed.rows if r[1] == 0]
-        flops_rate = sum(r[1] for r in heavy) / sum(r[3] for r in heavy)
-        bytes_rate = sum(r[2] for r in light) / sum(r[3] for r in light)
-        pooled[0] += sum(r[1] for r in heavy)
-        pooled[1] += sum(r[3] for r in heavy)
-        pooled[2] += sum(r[2] for r in light)
-        pooled[3] += sum(r[3] for r in light)
-        print(
-            f"{name}: heavy {flops_rate / 1e9:.0f} GFLOP/s over {sum(r[3] for r in heavy):.2f} s, "
-            f"light {bytes_rate / 1e9:.2f} GB/s over {sum(r[3] for r in light):.2f} s, "
-            f"ratio {flops_rate / bytes_rate:.1f} FLOPs per byte"
-        )
-        per_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-        for op, _, moved, spent in light:
-            per_op[op][0] += moved
-            per_op[op][1] += spent
-        slowest = sorted(per_op.items(), key=lambda kv: -kv[1][1])[:5]
-        print(
-            "  slowest light operators: "
-            + ", ".join(f"{op} {m / s / 1e9:.1f} GB/s ({s:.2f} s)" for op, (m, s) in slowest)
-        )
-    flops_rate, bytes_rate = pooled[0] / pooled[1], pooled[2] / pooled[3]
-    print(
-        f"all models: heavy {flops_rate / 1e9:.0f} GFLOP/s, light {bytes_rate / 1e9:.2f} GB/s, "
-        f"ratio {flops_rate / bytes_rate:.1f} FLOPs per byte"
-    )
+        steps = []
+        light_ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for rep in range(args.reps):
+            model.zero_grad(set_to_none=True)
+            with _Timed() as timed:
+                model(x).square().mean().backward()
+            sums = _sums(timed.rows)
+            steps.append(sums)
+            per_step[rep].append(sums)
+            for op, flops, moved, spent in timed.rows:
+                if flops == 0:
+                    light_ops[op][0] += moved
+                    light_ops[op][1] += spent
+        flops_rate = statistics.median(s[0] / s[1] for s in steps)
+        bytes_rate = statistics.median(s[2] / s[3] for s in steps)
+        slowest = sorted(light_ops.items(), key=lambda kv: -kv[1][1])[:3]
+        row = {
+            "model": name,
+            "batch": args.batch_size,
+            "gflop_per_s": round(flops_rate / 1e9, 1),
+            "gb_per_s": round(bytes_rate / 1e9, 2),
+            "flops_per_byte": round(flops_rate / bytes_rate, 1),
+            "heavy_share": round(statistics.median(s[1] / (s[1] + s[3]) for s in steps), 3),
+            "slowest_light": ", ".join(f"{op} {m / s / 1e9:.1f} GB/s" for op, (m, s) in slowest),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del model, x
+    pooled = [tuple(sum(col) for col in zip(*step, strict=True)) for step in per_step]
+    flops_rate = statistics.median(p[0] / p[1] for p in pooled)
+    bytes_rate = statistics.median(p[2] / p[3] for p in pooled)
+    row = {
+        "model": "all (pooled)",
+        "batch": args.batch_size,
+        "gflop_per_s": round(flops_rate / 1e9, 1),
+        "gb_per_s": round(bytes_rate / 1e9, 2),
+        "flops_per_byte": round(flops_rate / bytes_rate, 1),
+        "heavy_share": round(statistics.median(p[1] / (p[1] + p[3]) for p in pooled), 3),
+        "slowest_light": "",
+    }
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        words = ["<dir>" if a == str(args.out) else shlex.quote(a) for a in sys.argv[1:]]
+        command = "python benchmarks/price_calibration.py " + " ".join(words)
+        result = {"command": command, "threads": 1, "rows": rows}
+        (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

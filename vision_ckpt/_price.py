@@ -50,17 +50,20 @@ __all__ = [
 # and GPUs which recomputation is cheap.
 #
 # Only the ratio F / B changes which plan is fastest; the scale only makes the figures
-# readable as seconds. The CPU figures were first measured on this project's 2-core machine,
-# one thread, over the operators of a training step of ResNet-50, ViT-S/16 and ConvNeXt-T at
-# batch 8 (benchmarks/price_calibration.py): 97-271 GFLOP/s for the heavy operators, 5.0-7.5
-# GB/s for the rest. Measured again alone at batch 32, with LeViT-128 and EfficientViT-B0
-# too, the pooled figures are 110 GFLOP/s and 12 GB/s (ratio 9, against the price's 14; per
-# model 2.7-13.5), so the price over-charges norms and activations on this CPU. Priced at
-# (1.1e11, 1.2e10), three of LeViT-128, EfficientViT-B0, FastViT-T8 and Hugging Face LeViT
-# derive other plans at batch 32 (one level moves, by up to 7% of its peak, and the modelled
-# time of each level by 1-3%): a change of the rates is a re-measurement of every derived
-# preset, not made yet. The CUDA figures are an H100's data-sheet order for FP32/TF32 work
-# and HBM (not measured here); their ratio is within a factor of two of the CPU's.
+# readable as seconds. The CPU figures were measured on this project's 2-core machine, one
+# thread, over the operators of a training step of ResNet-50, ViT-S/16 and ConvNeXt-T at batch
+# 8 (benchmarks/price_calibration.py): 97-271 GFLOP/s for the heavy operators, 5.0-7.5 GB/s
+# for the rest. Over ten models at batch 32 (price_calibration) they pool to 97 GFLOP/s and
+# 12.2 GB/s, a ratio of 7.9 against the price's 14, but the ratio is no constant of the CPU:
+# per model it runs from 2.7 (EfficientViT-B0, whose depthwise convolutions do 45 GFLOP/s) to
+# 14.3 (ResNet-50, whose batch norms stream 3.5 GB/s). Priced at the pooled rates, 12 of the
+# 14 models of docs/derive.md derive other plans at batch 32 (DenseNet-121 and VNet do not),
+# yet on the clock the levels of LeViT-128, EfficientViT-B0 and FastViT-T8 so derived cost
+# what the present ones cost, within -1% and +3% at levels 2 and 5, and 1.15x against 1.01x
+# at FastViT-T8's level 1 (price_rates_b32): a roofline with one pair of rates orders these
+# plans no better for being fitted, so the rates stay. The CUDA figures are an H100's
+# data-sheet order for FP32/TF32 work and HBM (not measured here); their ratio is within a
+# factor of two of the CPU's.
 
 _RATES: dict[str, tuple[float, float]] = {
     "cpu": (1.0e11, 7.0e9),
