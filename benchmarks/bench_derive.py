@@ -17,7 +17,8 @@ A model is a timm name or a spec as ``vision-ckpt`` takes it (``smp:MAnet(...)``
 
 Peak: live tensor storage above what was live before the step (``track_peak_memory``,
 deterministic). Time: process CPU seconds of a step, the median over interleaved rounds of the
-ratio to L0 in the same round (``--reps``); and, deterministic, the matmul and convolution FLOPs
+ratio to L0 in the same round (``--reps``; a sample is one step, or with ``--sample-seconds`` as
+many steps as make that many of L0's seconds); and, deterministic, the matmul and convolution FLOPs
 of a step (recomputation included) relative to L0's, counted at batch 2 (FLOPs are linear in
 the batch), and the modelled step time relative to L0's (``modelled_ratio``: every operator's
 FLOPs and bytes moved at the batch, NOTE [ A modelled price ] in ``vision_ckpt._price``, the
@@ -38,6 +39,7 @@ import copy
 import functools
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -88,15 +90,21 @@ def step_peak(model: torch.nn.Module, x: torch.Tensor) -> int:
     return mem.peak_bytes - mem.start_bytes
 
 
-def interleaved_ratios(steps: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+def interleaved_ratios(
+    steps: dict[str, Callable[[], float]], reps: int, per_sample: int = 1
+) -> dict[str, list[float]]:
     """Each step's seconds over ``L0``'s in the same round, for ``reps`` rounds, the order of
     the steps turned each round so that none always runs first; ``steps`` maps a label to a
-    call that runs one step and returns its seconds."""
+    call that runs one step and returns its seconds, and a sample is ``per_sample`` such
+    steps run back to back."""
     labels = list(steps)
     ratios: dict[str, list[float]] = {label: [] for label in labels}
     for round_ in range(reps):
         shift = round_ * len(labels) // max(1, reps)
-        times = {label: steps[label]() for label in labels[shift:] + labels[:shift]}
+        times = {
+            label: sum(steps[label]() for _ in range(per_sample))
+            for label in labels[shift:] + labels[:shift]
+        }
         for label in times:
             ratios[label].append(times[label] / times["L0"])
         print(
@@ -185,7 +193,16 @@ def _variants(name: str, model: torch.nn.Module, found: Any) -> list[tuple[str, 
     return out
 
 
-def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, Any]]:
+def steps_per_sample(step: Callable[[], float], seconds: float) -> int:
+    """How many steps make a timed sample of at least ``seconds`` (one step timed to know;
+    at least one): a step of under a second spreads too much on a shared CPU to be one
+    sample."""
+    return max(1, math.ceil(seconds / max(step(), 1e-6))) if seconds > 0 else 1
+
+
+def bench_model(
+    name: str, batch: int, reps: int, img: int, sample_seconds: float = 0.0
+) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     model, x = _model_and_input(name, batch, img)
     started = time.perf_counter()
@@ -226,7 +243,9 @@ def bench_model(name: str, batch: int, reps: int, img: int) -> list[dict[str, An
         }
         print(f"  {label:>5}: peak {peak / MB:8.1f} MiB, bn exact {exact}", flush=True)
     steps = {label: functools.partial(_seconds, m, x) for label, m, _ in runs}
-    for label, r in interleaved_ratios(steps, reps).items():
+    per_sample = steps_per_sample(steps["L0"], sample_seconds)
+    for label, r in interleaved_ratios(steps, reps, per_sample).items():
+        rows[label]["steps_per_sample"] = per_sample
         rows[label]["time_ratio"] = round(statistics.median(r), 3)
         rows[label]["time_rounds"] = " ".join(f"{v:.3f}" for v in r)  # the spread, as rendered
     return list(rows.values())
@@ -344,6 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--img-size", type=int, default=224)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument(
+        "--sample-seconds",
+        type=float,
+        default=0.0,
+        help="time each sample over as many steps as make this many of L0's seconds "
+        "(default: one step)",
+    )
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", default="derive_out")
     args = p.parse_args(argv)
@@ -360,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=torch.get_num_threads(),
     )
     for name in args.models:
-        rows = bench_model(name, args.batch_size, args.reps, args.img_size)
+        rows = bench_model(name, args.batch_size, args.reps, args.img_size, args.sample_seconds)
         data["rows"] = [r for r in data["rows"] if r["model"] != name] + rows
         path.write_text(json.dumps(data, indent=1))
     print(summary(data["rows"]))

@@ -42,6 +42,7 @@ from bench_derive import (  # noqa: E402  (a script beside this one)
     MB,
     interleaved_ratios,
     step_peak,
+    steps_per_sample,
     train_step,
 )
 
@@ -81,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--input-shape", default=None, help="one sample, C,H,W or C,D,H,W")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--sample-seconds",
+        type=float,
+        default=0.0,
+        help="time each sample over as many steps as make this many of L0's seconds",
+    )
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", default="plans_out")
     args = p.parse_args(argv)
@@ -109,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             vision_ckpt.remove(model)
         print(f"{name:>24}: peak {rows[name]['peak_mb']:8.1f} MiB", flush=True)
     steps = {name: functools.partial(_seconds, model, x, c) for name, c in configs.items()}
-    rounds = interleaved_ratios(steps, args.reps)
+    per_sample = steps_per_sample(steps["L0"], args.sample_seconds)
+    rounds = interleaved_ratios(steps, args.reps, per_sample)
     names = list(configs)
     l0_modelled = rows["L0"]["modelled"]
     for name in names:
@@ -118,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         row["time_ratio"] = round(statistics.median(rounds[name]), 3)
         row["modelled_ratio"] = round(row.pop("modelled") / l0_modelled, 3)
         row["time_rounds"] = " ".join(f"{v:.3f}" for v in rounds[name])
+        row["steps_per_sample"] = per_sample
         print(
             f"{name:>24}: {row['peak_ratio']:.2f}x peak, {row['time_ratio']:.3f}x clock, "
             f"{row['modelled_ratio']:.3f}x modelled"
