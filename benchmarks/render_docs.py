@@ -113,7 +113,10 @@ NOTES: dict[str, str] = {
     "leanest way (only their plans changed). After the derivation offered products cheap to "
     "redo (2026-11-27), the five whose plans changed ran again: both LeViTs five rounds, "
     "EfficientViT-B0 and CAFormer-S18 eleven, beside other benchmarks or the test suite, "
-    "FastViT-T8 eleven rounds alone. "
+    "FastViT-T8 eleven rounds alone. On 2026-11-27, EfficientViT-B0 and LeViT-128 alone, "
+    "eleven rounds; then LeViT-128, EfficientViT-B0, FastViT-T8 and both Hugging Face models "
+    "alone, eleven rounds, each sample as many steps as make three seconds of level 0 "
+    "(`--sample-seconds 3`, `steps_per_sample` in each row; same plans). "
     "Models no preset knows: "
     "derived levels (D) beside the structural fallback's top level (F) and the library's own "
     "switch where it has one, real steps; see [derive.md](derive.md).",
@@ -129,6 +132,16 @@ NOTES: dict[str, str] = {
     "selective region, keeping every product or redoing those under N FLOPs per output (NOTE "
     "[ Products cheap to redo ] in `vision_ckpt._price`); they were run from identical copies "
     "of the plan files outside the repository.",
+    "hand_plans_levit_s3": "LeViT-128's `*_selective` and `*_below<N>` plans of "
+    "`hand_plans_b32` again, alone, eleven rounds, each sample as many steps as make three "
+    "seconds of level 0 (`--sample-seconds 3`): near half of level 0's peak every one costs "
+    "1.15-1.21x the clock (see [derive.md](derive.md)).",
+    "price_calibration": "The modelled price's rates measured per model and pooled (NOTE [ A "
+    "modelled price ] in `vision_ckpt._price`): one thread, batch 32, every operator of three "
+    "training steps per model timed.",
+    "price_rates_b32": "Levels 1, 2 and 5 derived with the price's rates (`old`) and with the "
+    "pooled rates of `price_calibration` (`new`), side by side beside level 0: whether "
+    "fitting the rates to this CPU orders plans as its clock does.",
     "selective_overhead": "Written by `python benchmarks/selective_overhead.py --threads 1 "
     "--out ...`: one full and one selective region around a chain of 40 conv 1x1 + "
     "BatchNorm + Hardswish layers (64 channels, batch 32) at four spatial sizes, against the "

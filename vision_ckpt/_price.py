@@ -150,9 +150,9 @@ def op_seconds(
 # element size in bytes, which takes as long as 2 x size x F / B FLOPs; a product below that
 # many FLOPs per output element is redone (keep: {ops: heavy, below: N}). On CPU with fp32 that
 # is 114 FLOPs, a reduction of 57. Measured on LeViT-128 at batch 32, every block and the stem
-# selective: 0.56x of level 0's peak for 1.13x the clock keeping every product, 0.37x for 1.14x
-# with products under 100 FLOPs redone (benchmarks/bench_plans.py, five rounds); its derived
-# level 2 with them on the menu holds the same peak (0.26x) for 1.26x the clock, not 1.38x.
+# selective: 0.56x of level 0's peak keeping every product, 0.37x with products under 100
+# FLOPs redone, each for about 1.18x the clock (hand_plans_levit_s3); its derived level 2 with
+# them on the menu holds 0.26x for 1.26x the clock, where it took 1.38x without them.
 
 
 def cheap_product_flops(device_type: str, element_size: int = 4) -> int:
