@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from vision_ckpt._price import moves_nothing, op_flops
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_derive import _model_and_input  # noqa: E402  (a script beside this one)
+from bench_derive import _model_and_input, train_step  # noqa: E402  (a script beside this one)
 
 
 class _Timed(TorchDispatchMode):
@@ -68,6 +68,21 @@ def _sums(rows: list[tuple[str, int, int, float]]) -> tuple[float, float, float,
     )
 
 
+def _row(model: str, batch: int, steps: list[tuple[float, ...]], slowest: str) -> dict:
+    """The rates of ``steps`` (each step's ``_sums``), medians over the steps."""
+    flops_rate = statistics.median(s[0] / s[1] for s in steps)
+    bytes_rate = statistics.median(s[2] / s[3] for s in steps)
+    return {
+        "model": model,
+        "batch": batch,
+        "gflop_per_s": round(flops_rate / 1e9, 1),
+        "gb_per_s": round(bytes_rate / 1e9, 2),
+        "flops_per_byte": round(flops_rate / bytes_rate, 1),
+        "heavy_share": round(statistics.median(s[1] / (s[1] + s[3]) for s in steps), 3),
+        "slowest_light": slowest,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=8)
@@ -82,13 +97,12 @@ def main() -> None:
     for name in args.models:
         model, x = _model_and_input(name, args.batch_size, args.img_size)
         model.train()
-        model(x).square().mean().backward()  # warm-up
+        train_step(model, x)  # warm-up
         steps = []
         light_ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         for rep in range(args.reps):
-            model.zero_grad(set_to_none=True)
             with _Timed() as timed:
-                model(x).square().mean().backward()
+                train_step(model, x)
             sums = _sums(timed.rows)
             steps.append(sums)
             per_step[rep].append(sums)
@@ -96,33 +110,14 @@ def main() -> None:
                 if flops == 0:
                     light_ops[op][0] += moved
                     light_ops[op][1] += spent
-        flops_rate = statistics.median(s[0] / s[1] for s in steps)
-        bytes_rate = statistics.median(s[2] / s[3] for s in steps)
         slowest = sorted(light_ops.items(), key=lambda kv: -kv[1][1])[:3]
-        row = {
-            "model": name,
-            "batch": args.batch_size,
-            "gflop_per_s": round(flops_rate / 1e9, 1),
-            "gb_per_s": round(bytes_rate / 1e9, 2),
-            "flops_per_byte": round(flops_rate / bytes_rate, 1),
-            "heavy_share": round(statistics.median(s[1] / (s[1] + s[3]) for s in steps), 3),
-            "slowest_light": ", ".join(f"{op} {m / s / 1e9:.1f} GB/s" for op, (m, s) in slowest),
-        }
+        text = ", ".join(f"{op} {m / s / 1e9:.1f} GB/s" for op, (m, s) in slowest)
+        row = _row(name, args.batch_size, steps, text)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del model, x
     pooled = [tuple(sum(col) for col in zip(*step, strict=True)) for step in per_step]
-    flops_rate = statistics.median(p[0] / p[1] for p in pooled)
-    bytes_rate = statistics.median(p[2] / p[3] for p in pooled)
-    row = {
-        "model": "all (pooled)",
-        "batch": args.batch_size,
-        "gflop_per_s": round(flops_rate / 1e9, 1),
-        "gb_per_s": round(bytes_rate / 1e9, 2),
-        "flops_per_byte": round(flops_rate / bytes_rate, 1),
-        "heavy_share": round(statistics.median(p[1] / (p[1] + p[3]) for p in pooled), 3),
-        "slowest_light": "",
-    }
+    row = _row("all (pooled)", args.batch_size, pooled, "")
     rows.append(row)
     print(json.dumps(row), flush=True)
     if args.out is not None:
