@@ -421,9 +421,11 @@ class _OpTimes(TorchDispatchMode):
                 torch.cuda.synchronize()
             spent = time.perf_counter() - start
         self.total[block] += spent
+        # the cheap-product policy keeps a subset of what the heavy one keeps: ask it only there
         if not self.keeps.keeps(func, args):
             self.recomputed[block] += spent
-        if self.keeps_below is not None and not self.keeps_below.keeps(func, args):
+            self.recomputed_below[block] += spent
+        elif self.keeps_below is not None and not self.keeps_below.keeps(func, args):
             self.recomputed_below[block] += spent
         if self.regions.inner:
             self.inner[block] += spent
