@@ -132,6 +132,11 @@ NOTES: dict[str, str] = {
     "selective region, keeping every product or redoing those under N FLOPs per output (NOTE "
     "[ Products cheap to redo ] in `vision_ckpt._price`); they were run from identical copies "
     "of the plan files outside the repository.",
+    "floor_b32": "The physical floor at the batch (NOTE [ The physical floor ] in "
+    "`vision_ckpt/peak.py`), measured there with one plain step, and two predictions from "
+    "the two small batches a derivation measures: the line through their floors, and the "
+    "largest of the per-operator lines that `derive_preset` now uses. The `x_floor` column of "
+    "`derive_b32` and `derive_nopreset_b32` is each row's peak over this floor.",
     "hand_plans_levit_s3": "LeViT-128's `*_selective` and `*_below<N>` plans of "
     "`hand_plans_b32` again, alone, eleven rounds, each sample as many steps as make three "
     "seconds of level 0 (`--sample-seconds 3`): near half of level 0's peak every one costs "

@@ -219,6 +219,25 @@ def test_the_floor_is_below_every_level(derived) -> None:
     assert all(r["x_floor"] >= 1.0 for r in rows)
 
 
+def test_the_floor_at_the_target_is_the_operator_that_sets_it_there() -> None:
+    # At batches 2 and 4 the last operators of backward set the floor (the first layer's 4 MiB
+    # of weight gradient is live by then); at 16 the GELU's backward does, with activations
+    # 8x wider. A line through the two small floors would miss it by 42%.
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(1024, 1024),
+        nn.Linear(1024, 64),
+        nn.Linear(64, 2048),
+        nn.GELU(),
+        nn.Linear(2048, 64),
+    )
+    small = [vision_ckpt.physical_floor(net, torch.randn(b, 32, 1024)) for b in (2, 4)]
+    at_16 = vision_ckpt.physical_floor(net, torch.randn(16, 32, 1024))
+    assert small[0].operator == small[1].operator != at_16.operator == "aten.gelu_backward.default"
+    found = derive_preset(net, torch.randn(2, 32, 1024), batch_size=16)
+    assert found.floor == at_16.floor_bytes
+
+
 def test_the_preset_file_round_trips(derived, tmp_path: Path, scratch_registry) -> None:
     model, found = derived
     path = tmp_path / "derived.yaml"

@@ -10,7 +10,13 @@ from collections.abc import Callable, Sequence
 
 from ._measure import StepMemory, Workload, measure_memory
 
-__all__ = ["small_batches", "extrapolated_peak", "predict_peak", "peak_measurer"]
+__all__ = [
+    "small_batches",
+    "extrapolated_peak",
+    "predict_peak",
+    "peak_measurer",
+    "predict_from_timelines",
+]
 
 
 def _affine(points: Sequence[tuple[int, int]], batch: int) -> int:
@@ -35,9 +41,16 @@ def _affine(points: Sequence[tuple[int, int]], batch: int) -> int:
 # same rule predicts the allocator's peak (NOTE [ Two meters ] in ``_measure``).
 
 
-def _predict_from_timelines(
-    lines: Sequence[tuple[int, list[int]]], points: Sequence[tuple[int, int]], batch: int
+def predict_from_timelines(
+    lines: Sequence[tuple[int, Sequence[int]]], points: Sequence[tuple[int, int]], batch: int
 ) -> int:
+    """The largest of the per-operator lines through the last two ``(batch, timeline)`` of
+    ``lines`` at ``batch``; the line through the last two ``(batch, peak)`` of ``points`` when
+    the two timelines differ in length (NOTE [ Predicting the peak of a larger batch ]).
+
+    >>> predict_from_timelines([(2, [10, 30]), (4, [20, 32])], [(2, 30), (4, 32)], 8)
+    40
+    """
     (b1, t1), (b2, t2) = lines[-2], lines[-1]
     if not t1 or len(t1) != len(t2):
         return _affine(points, batch)
@@ -83,12 +96,12 @@ def extrapolated_peak(
     if (
         halfway
         and b3 > points[-1][0]
-        and (limit is None or _predict_from_timelines(lines, points, b3) <= limit)
+        and (limit is None or predict_from_timelines(lines, points, b3) <= limit)
     ):
         timeline = []
         points.append((b3, measure(b3, timeline)))
         lines.append((b3, timeline))
-    return _predict_from_timelines(lines, points, target), points
+    return predict_from_timelines(lines, points, target), points
 
 
 def peak_measurer(

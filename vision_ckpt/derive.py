@@ -25,7 +25,7 @@ import torch
 import yaml
 from torch import nn
 
-from ._extrapolate import extrapolated_peak, peak_measurer, small_batches
+from ._extrapolate import extrapolated_peak, peak_measurer, predict_from_timelines, small_batches
 from ._measure import LossFn, Workload, applied, default_loss, model_restored
 from ._memory import format_bytes
 from ._optimise import Block, Choice, Span as ChainSpan, choose
@@ -775,14 +775,17 @@ def _measured_peak(work: Workload, config: CheckpointConfig, level: int, target:
 
 
 def _floor_at(model: nn.Module, work: Workload, target: int, loss_fn: LossFn | None) -> int:
-    """The physical floor at ``target``, on the line through its value at the small batches
-    (the parameter gradients do not grow with the batch, the working sets do)."""
-    points = []
+    """The physical floor at ``target``: the largest of its operators' lines through their
+    values at the small batches (the parameter gradients do not grow with the batch, the
+    working sets do, and which operator sets the floor can change between the two)."""
+    lines: list[tuple[int, tuple[int, ...]]] = []
+    points: list[tuple[int, int]] = []
     for b in small_batches(target):
         found = physical_floor(model, work.batch(b), loss_fn)
+        lines.append((b, found.operator_bytes))
         points.append((b, found.floor_bytes))
-    (b1, v1), (b2, v2) = points
-    return int(v2 + (v2 - v1) * (target - b2) / (b2 - b1))
+    # the step ends holding every parameter gradient, whatever the batch
+    return max(predict_from_timelines(lines, points, target), found.param_grad_bytes)
 
 
 def _plan_of(menus: Menus, choice: Choice) -> dict[str, str]:

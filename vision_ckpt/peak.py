@@ -76,7 +76,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -144,6 +144,12 @@ class Floor:
     """The largest working set of any one operator of the step."""
     param_grad_bytes: int
     """All parameter gradients (what the step ends holding)."""
+    operator_bytes: tuple[int, ...] = field(default=(), repr=False)
+    """``working set + parameter gradients then`` of every operator of the step, in the order
+    they ran (:attr:`floor_bytes` is their largest). Each is affine in the batch, so the floor
+    of a larger batch is the largest of their lines, not the line through two floors: which
+    operator sets the floor can change with the batch (NOTE [ Predicting the peak of a larger
+    batch ] in ``_extrapolate``)."""
 
     def __str__(self) -> str:
         return (
@@ -460,6 +466,7 @@ def _floor_of(tracker: _Tracker, param_grad_bytes: int) -> Floor:
     )
     best: tuple[int, int, int, str, str, Phase] | None = None
     widest = 0
+    totals: list[int] = []
     g, accumulated = 0, 0
     for index, records, op, where, phase in sets:
         working = sum(r.nbytes for r in records if r.kind != "parameter gradient")
@@ -469,6 +476,7 @@ def _floor_of(tracker: _Tracker, param_grad_bytes: int) -> Floor:
             accumulated += grads[g].nbytes
             g += 1
         total = working + accumulated
+        totals.append(total)
         if best is None or total > best[0]:
             best = (total, working, accumulated, op, where, phase)
     if best is None:
@@ -483,6 +491,7 @@ def _floor_of(tracker: _Tracker, param_grad_bytes: int) -> Floor:
         module=where,
         max_working_set_bytes=widest,
         param_grad_bytes=param_grad_bytes,
+        operator_bytes=tuple(totals),
     )
 
 
