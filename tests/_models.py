@@ -191,6 +191,25 @@ class TinyDenseNet(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
+class UpTransition(nn.Module):
+    """MONAI VNet's up-transition's shape: the skip's dropout is registered between the
+    upsampling's norm and its activation, and called before them; the run up..drop skips it."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+        self.skip_drop = nn.Dropout(0.5)
+        self.act = nn.ELU(inplace=True)
+        self.drop = nn.Dropout(0.3)
+        self.conv = nn.Conv2d(2 * c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.skip_drop(x)
+        out = self.drop(self.act(self.bn(self.up(x))))
+        return self.conv(torch.cat((out, skip), 1)) + x
+
+
 MODELS = {"vit": TinyViT, "swin": TinySwin, "densenet": TinyDenseNet}
 
 LEVEL_RULES: dict[str, list[dict]] = {

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from _models import TinyViT
+from _models import TinyViT, UpTransition
 from torch import nn
 
 import vision_ckpt
@@ -578,6 +578,19 @@ def test_a_run_of_weighted_modules_is_cut_into_units_that_nest(assert_exact, exa
     assert [p.label for p in regions.inner["a"]] == ["a.conv1..act1", "a.conv2"]
     assert regions.sizes["a"] == 2 and regions.sizes["stem"] == 1
     found = derive_preset(model, torch.randn(2, 3, 16, 16), batch_size=16, floor=False)
+    _every_level_is_exact(model, found, assert_exact, exact_step)
+
+
+def test_a_child_a_run_skips_is_no_region_of_its_own(assert_exact, exact_step) -> None:
+    # up..drop skips skip_drop, which the parent calls on the skip: as a unit of its own beside
+    # the run it would be a member of the run's range with a level of its own, which a plan
+    # refuses (MONAI VNet's up-transitions)
+    torch.manual_seed(0)
+    model = UpTransition(3).train()
+    regions = regions_of(model, torch.randn(2, 3, 8, 8))
+    assert [u.label for u in regions.units] == ["up..drop", "conv"]
+    found = derive_preset(model, torch.randn(2, 3, 16, 16), batch_size=16, floor=False)
+    assert {r.match for r in found.rules} <= {"up", "conv"}
     _every_level_is_exact(model, found, assert_exact, exact_step)
 
 

@@ -14,6 +14,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from _models import UpTransition
 from torch import nn
 
 import vision_ckpt
@@ -115,6 +116,31 @@ def test_work_between_members_ends_the_run_exactly_with_a_warning(
     ):
         got = exact_step(model, x)
     assert_exact(got, ref)
+
+
+def test_a_member_the_parent_calls_elsewhere_is_skipped(
+    assert_exact, exact_step, op_counter
+) -> None:
+    """up..drop's range holds skip_drop, which the parent calls on the skip before the run:
+    the run joins up, bn, act and drop, replays them (drop's mask included) and warns of
+    nothing."""
+    torch.manual_seed(0)
+    plain = UpTransition().train()
+    model = copy.deepcopy(plain)
+    vision_ckpt.apply(
+        model,
+        {"training_checkpoint_level": 1, "rules": [{"match": "up", "through": "drop", "level": 1}]},
+    )
+    x = torch.randn(4, 8, 8, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = exact_step(model, x)
+    assert_exact(got, exact_step(plain, x))
+    out = model(x).sum()
+    with op_counter() as ops:
+        out.backward()
+    # the run's conv and dropout run again; the concatenation's conv and the skip's dropout not
+    assert ops.counts["convolution"] == 1 and ops.counts["bernoulli_"] == 1
 
 
 def test_a_run_inside_a_recomputed_region_is_exact(assert_exact, exact_step) -> None:

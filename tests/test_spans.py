@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import timm
 import torch
+from _models import UpTransition
 from timm.layers import Mlp
 from torch import nn
 
@@ -280,6 +281,16 @@ def test_a_run_holds_no_call_whose_other_arguments_it_cannot_pass_again() -> Non
     runs = [s for s in spans if s.kind == "run"]
     assert all("attn" not in s.members for s in runs), [s.label for s in runs]
     assert "attn" in {s.name for s in spans if s.kind == "module"}
+
+
+def test_a_run_skips_a_child_registered_inside_it_and_called_elsewhere() -> None:
+    torch.manual_seed(0)
+    spans = trace_spans(UpTransition().train(), torch.randn(2, 8, 4, 4))
+    runs = {s.label: s for s in spans if s.kind == "run"}
+    # act is in place: no run starts there; skip_drop is called on the skip, before the run
+    assert set(runs) == {"up..bn", "up..act", "up..drop", "bn..act", "bn..drop"}
+    assert runs["up..drop"].members == ("up", "bn", "act", "drop")
+    assert runs["up..drop"].rule(1) == {"match": "up", "level": 1, "through": "drop"}
 
 
 def test_a_list_of_blocks_that_do_not_chain_is_no_groups() -> None:

@@ -254,12 +254,15 @@ class Chain:
     def close(self) -> None:
         _open_runs.runs.pop(id(self), None)
 
-    def broken(self, index: int, reason: str) -> None:
+    def broken(self, index: int, reason: str, member: int | None = None) -> None:
+        """End the run after the member before ``index`` with a warning: ``member`` (by
+        default the one at ``index``) did what ``reason`` says."""
         self.close()
         names = [m.name for m in self.members]
         warnings.warn(
             f"the checkpointed run {self.label!r} ({' -> '.join(names)}) ended after "
-            f"{names[index - 1]!r}: {names[index]!r} {reason}. What ran is checkpointed "
+            f"{names[index - 1]!r}: {names[index if member is None else member]!r} {reason}. "
+            "What ran is checkpointed "
             "exactly; the rest of the run is not. Check that the parent's forward calls these "
             "modules one after another on one tensor, or drop 'through' from the rule.",
             UserWarning,
@@ -271,10 +274,14 @@ class ChainedForward(CheckpointedForward):
     """The forward :func:`install_chain` gives each member of a :class:`Chain`.
 
     NOTE [ Runs of sibling calls ]
-    The first member opens the run (when its policy checkpoints it now) and every later member
+    The first member opens the run (when its policy checkpoints it now) and a later member
     joins it only if it receives exactly the previous member's output, unmodified, with grad
-    mode, autocast and the enclosing region unchanged: then replaying the members in order
-    recomputes the region (NOTE [ Regions of consecutive calls ] in ``_core``). Any other call
+    mode, autocast and the enclosing region unchanged: then replaying the members that joined,
+    in order, recomputes the region (NOTE [ Regions of consecutive calls ] in ``_core``). The
+    member that joins may be a later one than the next: the members are a range of the
+    parent's registered children, and a parent may register a child inside that range that it
+    calls elsewhere (MONAI's up-transition registers the skip's dropout between its norm and
+    activation, and calls it first); such a member is skipped, never replayed. Any other call
     ends the run where it is and runs plainly, so a parent that does something else between
     them gets exact gradients and a warning, never a wrong recomputation.
     """
@@ -330,24 +337,25 @@ class ChainedForward(CheckpointedForward):
         if pending is None:
             return self._alone(*args, **kwargs)
         call, index, ref, version = pending
+        me = self.index
         if call is None or ref is None:  # the output it waited for was freed
-            if index == self.index:
+            if index == me:
                 chain.broken(index, "was called after the previous output was freed")
             else:
                 chain.close()
-        elif index != self.index:
+        elif me < index or (me > index and (one is None or ref() is not one)):
             chain.broken(index, f"was not called next ({self.run.name!r} was)")
         elif one is None:
             chain.broken(index, f"was called with {_extra_arguments(args, kwargs)}")
         elif ref() is not one:
             chain.broken(index, "was called with something other than its output")
         elif one._version != version:
-            chain.broken(index, "was called with its output after it was modified in place")
+            chain.broken(index, "was called with its output after it was modified in place", me)
         elif (differs := call.same_context()) is not None:
-            chain.broken(index, f"was called where {differs}")
-        else:
+            chain.broken(index, f"was called where {differs}", me)
+        else:  # the next member, or a later one on the previous output (NOTE [ Runs of ...
             out = self._in_run(call, one, args, kwargs)
-            chain.expect(call, index + 1, out)
+            chain.expect(call, me + 1, out)
             return out
         return self._alone(*args, **kwargs)
 

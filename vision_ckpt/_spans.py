@@ -35,8 +35,10 @@ a rule of the config vocabulary (:meth:`Span.rule`):
 #    first member's too, are values a run's replay can pass again (tensors, None, bool, int,
 #    float, str; not a tuple of sizes, as PVT-v2's and Twins' attention take), or the
 #    installed run stops at that member;
-# 3. the members are exactly the children the parent registered from the first through the
-#    last, in that order (``through`` names a range of registered children).
+# 3. the members are children the parent registered from the first through the last, in that
+#    order (``through`` names a range of registered children); a child registered inside the
+#    range that the parent does not call on the chain is skipped (NOTE [ Runs of sibling
+#    calls ] in ``_install``): by rules 1 and 2 nothing else is called between the members.
 #
 # No span starts with a call that returns its own first argument: an in-place layer (a
 # ReLU(inplace=True)) would overwrite the input its region keeps for the recomputation (autograd
@@ -279,9 +281,8 @@ def _runs(calls: list[_Call], excluded: set[str]) -> Iterator[list[_Call]]:
                     run = seg[i : j + 1]
                     if _returns_input(run[0]):
                         continue
-                    own = [c.name[len(prefix) :] for c in run]
-                    first = registered.index(own[0])
-                    if registered[first : first + len(own)] != own:  # rule 3
+                    at = [registered.index(c.name[len(prefix) :]) for c in run]
+                    if any(b <= a for a, b in zip(at, at[1:], strict=False)):  # rule 3
                         continue
                     whole = (
                         len(run) == len(children)

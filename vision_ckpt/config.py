@@ -347,10 +347,12 @@ class LevelRule(_Schema):
     ``maxpool``), are one region; further arguments after that tensor, positional or keyword
     (``attn_mask=None``, a rotary embedding tensor), are passed again when it is recomputed.
     The run is checked at every call; where the parent does anything else, the region ends
-    there, exactly. A selected module without that later sibling is an error, except in a
-    preset, whose rule then leaves that module out (one model class can hold blocks of
-    several layouts). A later member may have a level of its own below the rule's: from the
-    rule's level on, the run takes its place."""
+    there, exactly. A sibling registered inside the range that the parent calls elsewhere, not
+    on that tensor (a dropout on a skip connection, called before the run), is skipped. A
+    selected module without that later sibling is an error, except in a preset, whose rule
+    then leaves that module out (one model class can hold blocks of several layouts). A later
+    member may have a level of its own below the rule's: from the rule's level on, the run
+    takes its place."""
 
     lean: bool = False
     """Not a region: from ``level`` on, the selected MLP (two linear or 1x1-conv layers around a

@@ -100,6 +100,21 @@ def _weighted(model: nn.Module, span: Span) -> bool:
     return any(_heavy(model.get_submodule(m)) for m in span.members)
 
 
+def _range(model: nn.Module, run: Span) -> tuple[str, ...]:
+    """Every child a ``through`` rule for ``run`` names: its members and the children registered
+    between them that it skips (NOTE [ Runs found by tracing ], rule 3). None of them can be a
+    region of its own beside the run (NOTE [ Runs take over ])."""
+    if run.kind != "run":
+        return run.members
+    parent, _, first = run.members[0].rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    registered = list(model.get_submodule(parent)._modules)
+    last = run.members[-1][len(prefix) :]
+    return tuple(
+        prefix + c for c in registered[registered.index(first) : registered.index(last) + 1]
+    )
+
+
 def _cut(model: nn.Module, run: Span, lean: set[str]) -> list[Span]:
     """``run`` cut before each member with a kernel or a weight matrix but the first, and around
     a lean MLP (which then runs lean in a region of its own: a run would call its forward)."""
@@ -128,9 +143,9 @@ def _pieces(model: nn.Module, block: str, spans: Sequence[Span]) -> list[Span]:
     runs = [s for s in spans if s.kind == "run" and s.name.rpartition(".")[0] == block]
     longest: list[Span] = []
     for run in sorted(runs, key=lambda r: (-len(r.members), r.order)):
-        if not any(set(run.members) & set(o.members) for o in longest):
+        if not any(set(_range(model, run)) & set(_range(model, o)) for o in longest):
             longest.append(run)
-    in_runs = {m for r in longest for m in r.members}
+    in_runs = {m for r in longest for m in _range(model, r)}
     units = sorted(
         [*longest, *(c for c in children if c.name not in in_runs)], key=lambda s: s.order
     )
@@ -226,11 +241,13 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
     ]
     chosen_runs: list[Span] = []
     for run in sorted(runs, key=lambda r: (-len(r.members), r.order)):
-        taken = {m for r in chosen_runs for m in r.members}
-        covered = any(m == t or _inside(m, t) or _inside(t, m) for m in run.members for t in taken)
+        taken = {m for r in chosen_runs for m in _range(model, r)}
+        covered = any(
+            m == t or _inside(m, t) or _inside(t, m) for m in _range(model, run) for t in taken
+        )
         if not covered:
             chosen_runs.append(run)
-    in_runs = {m for r in chosen_runs for m in r.members}
+    in_runs = {m for r in chosen_runs for m in _range(model, r)}
     others = [
         s
         for s in spans
