@@ -116,7 +116,10 @@ NOTES: dict[str, str] = {
     "FastViT-T8 eleven rounds alone. On 2026-11-27, EfficientViT-B0 and LeViT-128 alone, "
     "eleven rounds; then LeViT-128, EfficientViT-B0, FastViT-T8 and both Hugging Face models "
     "alone, eleven rounds, each sample as many steps as make three seconds of level 0 "
-    "(`--sample-seconds 3`, `steps_per_sample` in each row; same plans). "
+    "(`--sample-seconds 3`, `steps_per_sample` in each row; same plans). After a run could "
+    "skip a child registered inside its range, VNet (five rounds) and CAFormer-S18 (eleven) "
+    "alone, one after the other (their plans changed), and `x_floor` of every row against "
+    "the floor measured at the batch (`floor_b32`). "
     "Models no preset knows: "
     "derived levels (D) beside the structural fallback's top level (F) and the library's own "
     "switch where it has one, real steps; see [derive.md](derive.md).",
