@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from vision_ckpt import physical_floor
-from vision_ckpt._extrapolate import small_batches
+from vision_ckpt._extrapolate import predict_from_timelines, small_batches
 from vision_ckpt.models import output_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,16 +40,10 @@ def check(name: str, batch: int, img: int) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     small = [(b, physical_floor(model, x[:b].clone(), output_loss)) for b in small_batches(batch)]
     (b1, f1), (b2, f2) = small
-    scale = (batch - b2) / (b2 - b1)
-    through_floors = f2.floor_bytes + (f2.floor_bytes - f1.floor_bytes) * scale
-    if len(f1.operator_bytes) == len(f2.operator_bytes):
-        per_operator = max(
-            y2 + (y2 - y1) * scale
-            for y1, y2 in zip(f1.operator_bytes, f2.operator_bytes, strict=True)
-        )
-        per_operator = max(per_operator, f2.param_grad_bytes)
-    else:  # the derivation falls back to the line through the floors too
-        per_operator = through_floors
+    floors = [(b, f.floor_bytes) for b, f in small]
+    through_floors = predict_from_timelines([(b1, ()), (b2, ())], floors, batch)
+    lines = [(b, f.operator_bytes) for b, f in small]
+    per_operator = max(predict_from_timelines(lines, floors, batch), f2.param_grad_bytes)
     row = {
         "model": name,
         "batch": batch,

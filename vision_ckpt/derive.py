@@ -104,8 +104,6 @@ def _range(model: nn.Module, run: Span) -> tuple[str, ...]:
     """Every child a ``through`` rule for ``run`` names: its members and the children registered
     between them that it skips (NOTE [ Runs found by tracing ], rule 3). None of them can be a
     region of its own beside the run (NOTE [ Runs take over ])."""
-    if run.kind != "run":
-        return run.members
     parent, _, first = run.members[0].rpartition(".")
     prefix = f"{parent}." if parent else ""
     registered = list(model.get_submodule(parent)._modules)
@@ -141,11 +139,12 @@ def _pieces(model: nn.Module, block: str, spans: Sequence[Span]) -> list[Span]:
     lean = {s.name for s in spans if s.kind == "lean"}
     children = [s for s in spans if s.kind == "module" and s.name.rpartition(".")[0] == block]
     runs = [s for s in spans if s.kind == "run" and s.name.rpartition(".")[0] == block]
+    ranges = {r.label: set(_range(model, r)) for r in runs}
     longest: list[Span] = []
     for run in sorted(runs, key=lambda r: (-len(r.members), r.order)):
-        if not any(set(_range(model, run)) & set(_range(model, o)) for o in longest):
+        if not any(ranges[run.label] & ranges[o.label] for o in longest):
             longest.append(run)
-    in_runs = {m for r in longest for m in _range(model, r)}
+    in_runs = {m for r in longest for m in ranges[r.label]}
     units = sorted(
         [*longest, *(c for c in children if c.name not in in_runs)], key=lambda s: s.order
     )
@@ -239,15 +238,17 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
         for s in spans
         if s.kind == "run" and not any(in_block(m) or holds_block(m) for m in s.members)
     ]
+    ranges = {r.label: _range(model, r) for r in runs}
     chosen_runs: list[Span] = []
+    taken: set[str] = set()
     for run in sorted(runs, key=lambda r: (-len(r.members), r.order)):
-        taken = {m for r in chosen_runs for m in _range(model, r)}
         covered = any(
-            m == t or _inside(m, t) or _inside(t, m) for m in _range(model, run) for t in taken
+            m == t or _inside(m, t) or _inside(t, m) for m in ranges[run.label] for t in taken
         )
         if not covered:
             chosen_runs.append(run)
-    in_runs = {m for r in chosen_runs for m in _range(model, r)}
+            taken.update(ranges[run.label])
+    in_runs = taken
     others = [
         s
         for s in spans
