@@ -77,7 +77,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rows = [check(name, args.batch_size, args.img_size) for name in args.models]
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/floor_check.py " + shlex.join(sys.argv[1:])
+    words = ["<dir>" if a == str(args.out) else shlex.quote(a) for a in sys.argv[1:]]
+    command = "python benchmarks/floor_check.py " + " ".join(words)
     results = {"rows": rows, "command": command, "threads": torch.get_num_threads()}
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
 
