@@ -144,6 +144,12 @@ NOTES: dict[str, str] = {
     "`hand_plans_b32` again, alone, eleven rounds, each sample as many steps as make three "
     "seconds of level 0 (`--sample-seconds 3`): near half of level 0's peak every one costs "
     "1.15-1.21x the clock (see [derive.md](derive.md)).",
+    "hand_plans_vnet": "MONAI VNet at batch 8 of 64^3: plans written by hand "
+    "(`benchmarks/plans/vnet_*.yaml`; `vnet_derived_top` is a copy of the derived top level) "
+    "beside level 0, five rounds, alone; `vnet_one_run` in a second process beside its own "
+    "level 0 (that run's L0 row is left out; rows merged). Whether the derived top is on the "
+    "frontier, and the least a plan of regions was found to hold at this shape (see "
+    "[derive.md](derive.md)).",
     "price_calibration": "The modelled price's rates measured per model and pooled (NOTE [ A "
     "modelled price ] in `vision_ckpt._price`): one thread, batch 32, every operator of three "
     "training steps per model timed.",
