@@ -31,6 +31,7 @@ from ._memory import format_bytes
 from ._optimise import Block, Choice, Span as ChainSpan, choose
 from ._planner import Menus, least_memory, measure_menus
 from ._spans import Span, trace_spans
+from .apply import run_members
 from .config import CheckpointConfig, LevelRule
 from .errors import ConfigError
 from .levels import Level
@@ -104,13 +105,8 @@ def _range(model: nn.Module, run: Span) -> tuple[str, ...]:
     """Every child a ``through`` rule for ``run`` names: its members and the children registered
     between them that it skips (NOTE [ Runs found by tracing ], rule 3). None of them can be a
     region of its own beside the run (NOTE [ Runs take over ])."""
-    parent, _, first = run.members[0].rpartition(".")
-    prefix = f"{parent}." if parent else ""
-    registered = list(model.get_submodule(parent)._modules)
-    last = run.members[-1][len(prefix) :]
-    return tuple(
-        prefix + c for c in registered[registered.index(first) : registered.index(last) + 1]
-    )
+    assert run.through is not None, run
+    return tuple(run_members(model, run.members[0], run.through, "the derivation"))
 
 
 def _cut(model: nn.Module, run: Span, lean: set[str]) -> list[Span]:
