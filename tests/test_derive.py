@@ -96,6 +96,46 @@ def test_resnet_bottleneck_pieces_hold_one_conv_each() -> None:
     ]
 
 
+class _Wrapped(nn.Module):
+    """A decoder block whose layers sit in one container child (smp's Linknet block)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+
+        def conv_bn_act() -> nn.Sequential:
+            return nn.Sequential(
+                nn.Conv2d(width, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+            )
+
+        self.block = nn.Sequential(
+            conv_bn_act(),
+            nn.ConvTranspose2d(width, width, 2, stride=2),
+            nn.Dropout(0.2),
+            conv_bn_act(),
+            nn.AvgPool2d(2),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x) + x
+
+
+def test_a_container_holding_all_of_a_blocks_weights_is_looked_through(
+    assert_exact, exact_step
+) -> None:
+    # the block's only weighted child wraps its layers: the layers are its inner regions, so
+    # the block can be recomputed nested
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), *[_Wrapped(8) for _ in range(3)], nn.Conv2d(8, 2, 1)
+    )
+    regions = regions_of(model, torch.randn(2, 3, 16, 16))
+    assert [p.label for p in regions.inner["2"]] == ["2.block.0", "2.block.1..2", "2.block.3"]
+    found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16)
+    nested = {lv.level for lv in found.levels if "nested" in lv.strategies.values()}
+    assert nested, [lv.strategies for lv in found.levels]
+    _every_level_is_exact(model, found, assert_exact, exact_step)
+
+
 @pytest.mark.parametrize(
     ("name", "kwargs", "block", "size"),
     [

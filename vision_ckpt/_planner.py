@@ -245,15 +245,19 @@ def _block_run(entry: Any) -> str | None:
 
 
 def _holds_repeats(entry: Any, entries: list[Any]) -> bool:
-    """Whether two or more of ``entries`` inside ``entry`` are numbered blocks of one class
-    (``layer1.0``, ``layer1.1``: a stack), not a block's named parts (``attn_block``,
-    ``attn_grid`` of a MaxViT block)."""
-    inside = [
-        e.class_name
-        for e in entries
-        if e.name.startswith(entry.name + ".") and e.name.rsplit(".", 1)[-1].isdigit()
-    ]
-    return any(inside.count(c) >= 2 for c in set(inside))
+    """Whether two or more of ``entries`` inside ``entry`` are consecutive numbered blocks of
+    one class under one parent (``layer1.0``, ``layer1.1``: a stack), not a block's named parts
+    (``attn_block``, ``attn_grid`` of a MaxViT block) nor the layers of a container that holds
+    a block's weights (``block.0``, ``block.3``, ``block.5`` of torchvision's ConvNeXt block:
+    a convolution and two linear layers, with a norm and activations between them)."""
+    numbered: dict[tuple[str, int], str] = {}
+    for e in entries:
+        parent, _, index = e.name.rpartition(".")
+        if e.name.startswith(entry.name + ".") and index.isdigit():
+            numbered[(parent, int(index))] = e.class_name
+    return any(
+        numbered.get((parent, index + 1)) == kind for (parent, index), kind in numbered.items()
+    )
 
 
 def _held_blocks(names: Sequence[str], module: str) -> tuple[int, int] | None:

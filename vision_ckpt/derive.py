@@ -68,9 +68,11 @@ __all__ = [
 #   joined into runs where they form one, and cut so that each piece holds one child with
 #   weight matrices or kernels (a parameter of two or more dimensions) and the light layers
 #   after it; light layers before the first heavy one join it. A ResNet bottleneck gives
-#   conv1..act1 | conv2..act2 | conv3..bn3, a ViT layer its attention half and its MLP half. A
-#   unit with fewer than two pieces has no nested option (nested recomputation of one piece is
-#   the unit itself again).
+#   conv1..act1 | conv2..act2 | conv3..bn3, a ViT layer its attention half and its MLP half.
+#   Where one child holds all of the unit's weights (a container around its layers: smp's
+#   Linknet decoder block, torchvision's ConvNeXt block, a decoder stage of one residual block
+#   in MONAI's SegResNet), the pieces are that child's. A unit with fewer than two pieces has
+#   no nested option (nested recomputation of one piece is the unit itself again).
 # - Sizes: each unit and inner region has a row of the size table (NOTE [ The size table's
 #   rows ]), which anchors levels 2 and 3.
 # - Stages: what holds a sequence of blocks may run as one selective region (the planner's
@@ -147,7 +149,11 @@ def _pieces(model: nn.Module, block: str, spans: Sequence[Span]) -> list[Span]:
     pieces: list[Span] = []
     for unit in units:
         pieces += [unit] if unit.kind == "module" else _cut(model, unit, lean)
-    return [p for p in pieces if _weighted(model, p)]
+    pieces = [p for p in pieces if _weighted(model, p)]
+    if len(pieces) == 1 and pieces[0].kind == "module" and pieces[0].name not in lean:
+        # one child holds all of the block's weights: its pieces are the block's
+        return _pieces(model, pieces[0].name, spans)
+    return pieces
 
 
 @dataclass(frozen=True)
