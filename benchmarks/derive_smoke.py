@@ -1,24 +1,31 @@
-"""Derive levels for many timm models at a small batch: does every derivation finish, do the
+"""Derive levels for many models at a small batch: does every derivation finish, do the
 measured peaks fall with the level, and is every level exact?
 
-Not a measurement (the batch is small and the peaks are only checked for order): a sweep for the
-failures a handful of tuned models cannot show, a region the trace finds that ``plan()``
-refuses in combination, a menu with no option left. Each model: ``derive_preset`` at batch 8 on
-an input of two, then one step of the plain model and one at each derived level that runs a
-plan of its own, from the same seed: the loss, every parameter gradient and every buffer
-(BatchNorm statistics) compared bit for bit. Exits 1 if any model failed::
+Not a measurement of time (the batch is small and the peaks are only checked for order): a
+sweep for the failures a handful of tuned models cannot show, a region the trace finds that
+``plan()`` refuses in combination, a menu with no option left. Each model: ``derive_preset`` at
+its batch (default 8) on an input of two, then one step of the plain model and one at each
+derived level that runs a plan of its own, from the same seed: the loss, every parameter
+gradient and every buffer (BatchNorm statistics) compared bit for bit. Exits 1 if any model
+failed::
 
-    python benchmarks/derive_smoke.py
+    python benchmarks/derive_smoke.py                    # 37 timm models of other families
+    python benchmarks/derive_smoke.py --others           # torchvision, Hugging Face, smp, MONAI
     python benchmarks/derive_smoke.py --models ghostnet_100 edgenext_xx_small@224
+    python benchmarks/derive_smoke.py --out derived.json \
+        --models 'smp:Linknet(encoder_name="resnet18", encoder_weights=None, classes=2)@3,256,256'
 
-A model is a timm name, with ``@size`` for the image side (default 64; some models need
-theirs).
+An entry is a model spec (a timm name, or ``library:Name(...)`` as ``--model`` takes it), then
+``@size`` for a timm model's image side (default 64) or ``@C,H,W`` / ``@C,D,H,W`` for the input,
+then ``/batch``. ``--out`` writes each model's derived levels (peak, modelled time against level
+0, the level whose plan it runs) as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 import time
 import traceback
@@ -27,7 +34,7 @@ import timm
 import torch
 
 import vision_ckpt
-from vision_ckpt.models import output_loss
+from vision_ckpt.models import build_model, default_input_shape, output_loss, parse_input_shape
 
 MODELS = (
     "mobilenetv3_small_100 regnetx_002 resnet18 deit_tiny_patch16_224@224 ghostnet_100 dla34 "
@@ -41,19 +48,67 @@ MODELS = (
 ).split()
 
 
-def check(spec: str) -> str:
-    """One model's line: the peaks in MiB from level 0 to 5, or raises."""
-    name, _, size = spec.partition("@")
-    img = int(size or 64)
+# other libraries' models with no preset, each at a size where its levels differ (a smaller
+# input leaves the parameter gradients the whole peak)
+OTHERS = (
+    "torchvision:mobilenet_v3_small(weights=None)@3,64,64",
+    "torchvision:mnasnet0_5(weights=None)@3,64,64",
+    "torchvision:shufflenet_v2_x0_5(weights=None)@3,64,64",
+    "torchvision:googlenet(weights=None, aux_logits=False, init_weights=True)@3,64,64",
+    "torchvision:convnext_tiny(weights=None)@3,64,64",
+    "torchvision:lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=3)"
+    "@3,64,64",
+    'smp:Linknet(encoder_name="resnet18", encoder_weights=None, classes=2)@3,128,128',
+    'smp:PAN(encoder_name="resnet18", encoder_weights=None, classes=2)@3,128,128',
+    'smp:UPerNet(encoder_name="resnet18", encoder_weights=None, classes=2)@3,128,128',
+    'smp:Unet(encoder_name="efficientnet-b0", encoder_weights=None, classes=2)@3,64,64',
+    "hf:SwinForImageClassification(SwinConfig(image_size=64, patch_size=4, embed_dim=32, "
+    "depths=[2, 2, 2], num_heads=[2, 4, 8], window_size=4, drop_path_rate=0.1))@3,64,64",
+    "hf:BeitForImageClassification(BeitConfig(hidden_size=64, num_hidden_layers=4, "
+    "num_attention_heads=4, intermediate_size=128, image_size=64, patch_size=8, "
+    "use_relative_position_bias=True))@3,64,64",
+    "hf:MobileViTForImageClassification(MobileViTConfig(image_size=64))@3,64,64",
+    "hf:Swinv2ForImageClassification(Swinv2Config(image_size=64, patch_size=4, embed_dim=32, "
+    "depths=[2, 2, 2], num_heads=[2, 4, 8], window_size=4))@3,64,64",
+    "hf:EfficientNetForImageClassification(EfficientNetConfig(image_size=64))@3,64,64",
+    "monai:UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(8, 16, 32, 64), "
+    "strides=(2, 2, 2), num_res_units=2, dropout=0.1)@1,32,32,32",
+    "monai:SegResNet(spatial_dims=3, in_channels=1, out_channels=2, init_filters=8, "
+    "dropout_prob=0.1)@1,32,32,32",
+    "monai:AttentionUnet(spatial_dims=3, in_channels=1, out_channels=2, channels=(8, 16, 32), "
+    "strides=(2, 2))@1,32,32,32",
+    "monai:DenseNet121(spatial_dims=3, in_channels=1, out_channels=2)@1,32,32,32",
+    "monai:SegResNetDS(spatial_dims=3, in_channels=1, out_channels=2, init_filters=8)@1,32,32,32",
+)
+
+
+def _model_and_input(entry: str) -> tuple[torch.nn.Module, tuple[int, ...], int]:
+    """The model of an entry (``spec[@size or @C,H,W][/batch]``), its sample shape and batch."""
+    spec, _, batch = entry.partition("/")
+    name, _, size = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    if ":" not in name:  # a bare timm name: ten classes, the image side alone
+        img = int(size or 64)
+        model = timm.create_model(name, pretrained=False, num_classes=10)
+        return model, (3, img, img), int(batch or 8)
+    model = build_model(name)
+    shape = parse_input_shape(size) if size else default_input_shape(model)
+    if shape is None:
+        raise ValueError(f"{entry!r}: give the input shape, as @C,H,W")
+    return model, shape, int(batch or 8)
+
+
+def check(entry: str) -> dict[str, object]:
+    """One model's derived levels (peaks in bytes, predicted times), or raises."""
     torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False, num_classes=10).train()
+    model, shape, batch = _model_and_input(entry)
+    model.train()
     found = vision_ckpt.derive_preset(
-        model, torch.randn(2, 3, img, img), 8, loss_fn=output_loss, floor=False
+        model, torch.randn(2, *shape), batch, loss_fn=output_loss, floor=False
     )
     peaks = [found.peak0] + [lv.peak for lv in found.levels]
     if any(b > a for a, b in zip(peaks, peaks[1:], strict=False)):
         raise AssertionError(f"a level's peak rose above the level below's: {peaks}")
-    x = torch.randn(4, 3, img, img)
+    x = torch.randn(4, *shape)
     plain = _step(copy.deepcopy(model), x)
     for lv in found.levels:
         if lv.same_as is not None:  # runs the plan of a level already compared
@@ -64,7 +119,20 @@ def check(spec: str) -> str:
             raise AssertionError(
                 f"level {lv.level}'s loss, a gradient or a buffer differs from the plain model's"
             )
-    return " ".join(f"{p / 2**20:.0f}" for p in peaks)
+    return {
+        "batch": batch,
+        "input": list(shape),
+        "peak0": found.peak0,
+        "levels": [
+            {
+                "level": lv.level,
+                "peak": lv.peak,
+                "time": lv.predicted_time / found.base_time,  # modelled, against level 0
+                "same_as": lv.same_as,
+            }
+            for lv in found.levels
+        ],
+    }
 
 
 def _step(model: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -84,22 +152,32 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=None)
+    parser.add_argument("--others", action="store_true", help="the other libraries' models")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=None, help="write the derived levels here (JSON)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    failed = []
-    for spec in args.models:
+    entries = args.models or list(OTHERS if args.others else MODELS)
+    failed, found = [], {}
+    for entry in entries:
         started = time.perf_counter()
         try:
-            line = check(spec)
+            found[entry] = check(entry)
         except Exception as exc:  # report and go on: the sweep is for finding them all
-            failed.append(spec)
-            print(f"{spec}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            failed.append(entry)
+            print(f"{entry}: FAILED {type(exc).__name__}: {exc}", flush=True)
             traceback.print_exc(limit=4)
             continue
-        print(f"{spec}: ok, peaks L0-L5 {line} MiB ({time.perf_counter() - started:.0f} s)")
-    print(f"{len(args.models) - len(failed)} of {len(args.models)} derived; failed: {failed}")
+        seconds = time.perf_counter() - started
+        found[entry]["seconds"] = round(seconds, 1)
+        peaks = [found[entry]["peak0"]] + [lv["peak"] for lv in found[entry]["levels"]]
+        line = " ".join(f"{p / 2**20:.0f}" for p in peaks)
+        print(f"{entry}: ok, peaks L0-L5 {line} MiB ({seconds:.0f} s)", flush=True)
+    print(f"{len(entries) - len(failed)} of {len(entries)} derived; failed: {failed}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"torch_threads": args.threads, "models": found}, f, indent=1)
     return 1 if failed else 0
 
 
