@@ -322,3 +322,21 @@ def test_forward_context_that_swallows_the_exception_names_the_region():
         checkpoint(failing_region, leaf(3), context_fn=lambda: (swallowing(), swallowing()))
     assert "context_fn" in str(info.value)
     assert _hooks_now() is None
+
+
+def test_a_region_that_writes_its_input_in_place_is_refused_in_forward():
+    # torchvision's MNASNet classifier: an in-place dropout before the linear layer; its
+    # recomputation would start from the dropped values, and autograd's refusal in backward
+    # named no region
+    torch.manual_seed(0)
+    classifier = nn.Sequential(nn.Dropout(0.2, inplace=True), nn.Linear(8, 2))
+    x = leaf(4, 8)
+    with pytest.raises(
+        CheckpointError, match=r"region 'Sequential' \(module\) wrote its input 0"
+    ) as info:
+        checkpoint(classifier, x * 1)
+    assert "inplace=False" in str(info.value) and "level 0" in str(info.value)
+    assert _hooks_now() is None
+    # a region that writes only its own intermediate tensors in place is fine
+    body = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Dropout(0.2, inplace=True))
+    checkpoint(body, x * 1).sum().backward()

@@ -332,3 +332,24 @@ def test_an_mlp_called_on_a_transposed_input_is_not_offered_lean() -> None:
     # the MLP's own forward instead, warning on every step
     spans = trace_spans(_Mixing(6, 8), torch.randn(2, 6, 8))
     assert {s.name for s in spans if s.kind == "lean"} == {"channels"}
+
+
+def test_no_span_begins_with_a_call_that_writes_its_input() -> None:
+    # torchvision's MNASNet head: the classifier begins with an in-place dropout, so neither
+    # the classifier nor a run from its dropout can keep its input for the recomputation
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Sequential(nn.Dropout(0.2, inplace=True), nn.Linear(8, 2)),
+    )
+    spans = trace_spans(net.train(), torch.randn(2, 3, 8, 8))
+    labels = {(s.kind, s.label) for s in spans}
+    assert ("module", "5.1") in labels
+    assert not {lab for lab in labels if lab[1] == "5" or lab[1].startswith("5.0")}, labels
+    # an out-of-place dropout leaves both
+    net[5][0].inplace = False
+    labels = {(s.kind, s.label) for s in trace_spans(net, torch.randn(2, 3, 8, 8))}
+    assert {("module", "5"), ("module", "5.0")} <= labels

@@ -971,9 +971,11 @@ def _run(
     forward_ctx = _region_contexts(frame, options.context_fn, debug_on)
     tensors = _unique_inputs(frame, tensors)
     frame.saved = _offload_inputs(tensors) if options.offload else _save_inputs(tensors)
+    versions = [t._version for t in tensors]
 
     out = _forward(frame, function, args, kwargs, forward_ctx)
     frame.forward_done = True
+    _check_inputs_unwritten(frame, tensors, versions)
     if (
         options.preserve_rng_state
         and not cuda_was_initialized
@@ -986,6 +988,26 @@ def _run(
             "preserve_rng_state=False if the region draws no random numbers on the GPU."
         )
     return out
+
+
+def _check_inputs_unwritten(frame: _Frame, tensors: list[Any], versions: list[int]) -> None:
+    """Refuse a region that wrote one of its inputs in place during its forward."""
+    # NOTE [ Inputs written by their region ]
+    # The recomputation starts from the inputs the region was called with. A region whose
+    # forward writes one of them in place (it begins with Dropout(inplace=True) or
+    # ReLU(inplace=True), as torchvision's MNASNet classifier does) leaves only the written
+    # values to start from; autograd would refuse the saved input in backward with a message
+    # that names no region. Offloaded inputs are copied before the forward and are unaffected.
+    for i, (t, before) in enumerate(zip(tensors, versions, strict=True)):
+        if t._version != before and not isinstance(frame.saved[i], _HostCopy):
+            raise CheckpointError(
+                f"vision_ckpt.checkpoint: region {_region_name(frame)} wrote its input "
+                f"{i} (a tensor of shape {list(t.shape)}) in place during its forward, so its "
+                "recomputation cannot start from the values it was called with. An in-place "
+                "layer at its start (Dropout(inplace=True), ReLU(inplace=True)) does this. "
+                "Checkpoint a span that begins after that layer, make the layer out of place "
+                "(inplace=False), or leave this module out with a rule of level 0."
+            )
 
 
 def _run_traced(

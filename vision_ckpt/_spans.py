@@ -40,9 +40,12 @@ a rule of the config vocabulary (:meth:`Span.rule`):
 #    range that the parent does not call on the chain is skipped (NOTE [ Runs of sibling
 #    calls ] in ``_install``): by rules 1 and 2 nothing else is called between the members.
 #
-# No span starts with a call that returns its own first argument: an in-place layer (a
-# ReLU(inplace=True)) would overwrite the input its region keeps for the recomputation (autograd
-# then refuses the backward), and an identity is no region worth its bookkeeping.
+# No span starts with a call that writes one of its arguments in place or returns its own
+# first argument: an in-place layer (a ReLU(inplace=True)), or a module that begins with one
+# (torchvision's MNASNet classifier, an in-place dropout before its linear layer), would
+# overwrite the input its region keeps for the recomputation (the checkpoint refuses it), and
+# an identity is no region worth its bookkeeping. A block, a stage or a group whose first call
+# writes its input is no span either.
 #
 # Members of a repeated sequence and stages take no part in runs: a sequence of layers is
 # expressed by ``segments``, which runs its groups as runs, so a container is offered as groups
@@ -127,6 +130,10 @@ class _Call:
     replay (NOTE [ Runs found by tracing ], 2)."""
     lean: bool = False
     """Whether the module, a lean MLP, would run lean on this call (its input's layout)."""
+    versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    """Its tensor arguments with their version counters when it began (for ``wrote``)."""
+    wrote: bool = False
+    """Whether it wrote one of its tensor arguments in place."""
 
 
 def _key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -170,6 +177,7 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
         for t in tree_leaves(args):
             if isinstance(t, torch.Tensor):
                 call.inputs.add(_key(t))
+                call.versions.append((t, t._version))
                 keep.append(t)
         calls.append(call)
         stack.append(call.index)
@@ -178,6 +186,8 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
         if not stack or calls[stack[-1]].module is not module:
             return
         call = calls[stack.pop()]
+        call.wrote = any(t._version != v for t, v in call.versions)
+        call.versions = []
         if isinstance(out, torch.Tensor):
             call.output = _key(out)
             keep.append(out)
@@ -200,9 +210,11 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
     return calls
 
 
-def _returns_input(call: _Call) -> bool:
-    """Whether the call returned its first argument (an in-place activation, an identity)."""
-    return call.output is not None and call.output == call.first
+def _overwrites_input(call: _Call) -> bool:
+    """Whether the call returned its first argument (an in-place activation, an identity) or
+    wrote one of its arguments in place (a classifier whose first layer is an in-place
+    dropout)."""
+    return call.wrote or (call.output is not None and call.output == call.first)
 
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -279,7 +291,7 @@ def _runs(calls: list[_Call], excluded: set[str]) -> Iterator[list[_Call]]:
             for i in range(len(seg)):
                 for j in range(i + 1, len(seg)):
                     run = seg[i : j + 1]
-                    if _returns_input(run[0]):
+                    if _overwrites_input(run[0]):
                         continue
                     at = [registered.index(c.name[len(prefix) :]) for c in run]
                     if any(b <= a for a, b in zip(at, at[1:], strict=False)):  # rule 3
@@ -340,7 +352,7 @@ def trace_spans(model: nn.Module, example_input: Any) -> list[Span]:
             spans.append(Span("stage", holder, tuple(members), first_call[holder]))
     seen: set[tuple[str, str]] = set()
     for call in calls:
-        if _returns_input(call):
+        if _overwrites_input(call):
             continue  # an in-place layer or an identity: see NOTE [ Runs found by tracing ]
         if call.name and ("module", call.name) not in seen:
             seen.add(("module", call.name))
@@ -359,8 +371,10 @@ def trace_spans(model: nn.Module, example_input: Any) -> list[Span]:
         spans.append(Span("run", names[0], names, run[0].index, through=last))
     kinds = ("stage", "groups", "block", "module", "run", "lean")
     spans.sort(key=lambda s: (s.order, kinds.index(s.kind), len(s.members)))
-    # one span per kind and name (a container holding two sequences is one stage)
+    # one span per kind and name (a container holding two sequences is one stage); none that
+    # begins with a call writing its input (NOTE [ Runs found by tracing ])
     unique: dict[tuple[str, str], Span] = {}
     for s in spans:
-        unique.setdefault((s.kind, s.label), s)
+        if s.kind == "lean" or not calls[s.order].wrote:
+            unique.setdefault((s.kind, s.label), s)
     return list(unique.values())
