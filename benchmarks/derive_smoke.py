@@ -150,12 +150,42 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def results(found: dict[str, dict], command: str, label: str = "") -> dict[str, object]:
+    """A results file: one row per model, each level's peak in MiB and modelled time against
+    level 0 (or the level whose plan it runs), or why the model failed."""
+    rows = []
+    for entry, f in found.items():
+        spec, _, batch = entry.partition("/")
+        row: dict[str, object] = {"model": spec.rpartition("@")[0] or spec}
+        if label:
+            row["code"] = label
+        row |= {"input": spec.rpartition("@")[2] if "@" in spec else "", "batch": int(batch or 8)}
+        row["L0_mb"] = round(f["peak0"] / 2**20, 1) if "peak0" in f else None
+        for lv in f.get("levels", [{"level": k} for k in range(1, 6)]):
+            if "peak" not in lv:
+                row[f"L{lv['level']}"] = None
+            elif lv["same_as"]:
+                row[f"L{lv['level']}"] = f"= L{lv['same_as']}"
+            else:
+                row[f"L{lv['level']}"] = f"{lv['peak'] / 2**20:.0f} MiB, {lv['time']:.2f}x"
+        row["derive_s"] = f.get("seconds")
+        row["failed"] = f.get("error", "")
+        rows.append(row)
+    return {
+        "command": command,
+        "clock": "none (peaks and modelled times are deterministic)",
+        "meter": "storage",
+        "rows": rows,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=None)
     parser.add_argument("--others", action="store_true", help="the other libraries' models")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the derived levels here (JSON)")
+    parser.add_argument("--label", default="", help="a column naming this run (the commit)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     entries = args.models or list(OTHERS if args.others else MODELS)
@@ -166,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             found[entry] = check(entry)
         except Exception as exc:  # report and go on: the sweep is for finding them all
             failed.append(entry)
+            found[entry] = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
             print(f"{entry}: FAILED {type(exc).__name__}: {exc}", flush=True)
             traceback.print_exc(limit=4)
             continue
@@ -176,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{entry}: ok, peaks L0-L5 {line} MiB ({seconds:.0f} s)", flush=True)
     print(f"{len(entries) - len(failed)} of {len(entries)} derived; failed: {failed}")
     if args.out:
+        command = "python benchmarks/derive_smoke.py " + " ".join(
+            f"'{a}'" if " " in a or "(" in a else a for a in (argv or sys.argv[1:])
+        )
         with open(args.out, "w") as f:
-            json.dump({"torch_threads": args.threads, "models": found}, f, indent=1)
+            json.dump(results(found, command, args.label), f, indent=1)
     return 1 if failed else 0
 
 
