@@ -488,3 +488,14 @@ def test_a_keyword_tensor_changed_before_backward_is_an_error() -> None:
         r"place before backward recomputed the run.*clone it",
     ):
         out.sum().backward()
+
+
+def test_a_run_whose_first_member_writes_its_input_is_refused_by_name() -> None:
+    # torchvision's MNASNet classifier as a run: its in-place dropout writes the run's input
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.Sequential(nn.Dropout(0.2, inplace=True), nn.Linear(8, 2))
+    )
+    rule = {"match": "1.0", "through": "1", "level": 1}
+    vision_ckpt.apply(model, {"training_checkpoint_level": 1, "rules": [rule]})
+    with pytest.raises(CheckpointError, match=r"region '1\.0\.\.1' wrote its input 0"):
+        model(torch.randn(3, 4))

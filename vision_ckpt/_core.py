@@ -1505,7 +1505,9 @@ class ChainRegion:
         """Call ``fn(x)`` as the region's next call and return its output."""
         frame = self.frame
         rng = _stash_rng([x]) if self.preserve_rng_state else None
-        if not self.replay.calls:
+        first = not self.replay.calls
+        version = x._version
+        if first:
             frame.rng = rng
         state = _state
         state.region_depth += 1
@@ -1517,6 +1519,8 @@ class ChainRegion:
             _pop_hooks()
             del frame._user_hooks
             state.region_depth -= 1
+        if first:
+            _check_inputs_unwritten(frame, [x], [version])
         _settle_settings(frame)  # the next member is compared with what this one left
         self.replay.calls.append((fn, rng))
         frame.forward_done = True
