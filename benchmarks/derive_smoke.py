@@ -168,7 +168,7 @@ def results(found: dict[str, dict], command: str, label: str = "") -> dict[str, 
                 row[f"L{lv['level']}"] = f"= L{lv['same_as']}"
             else:
                 row[f"L{lv['level']}"] = f"{lv['peak'] / 2**20:.0f} MiB, {lv['time']:.2f}x"
-        row["derive_s"] = f.get("seconds")
+        row["seconds"] = f.get("seconds")  # the derivation and the exactness steps
         row["failed"] = f.get("error", "")
         rows.append(row)
     return {

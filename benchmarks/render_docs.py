@@ -150,6 +150,14 @@ NOTES: dict[str, str] = {
     "level 0 (that run's L0 row is left out; rows merged). Whether the derived top is on the "
     "frontier, and the least a plan of regions was found to hold at this shape (see "
     "[derive.md](derive.md)).",
+    "derive_untuned": "Models of torchvision, smp and MONAI that no preset knows, derived by "
+    "`benchmarks/derive_smoke.py` at sizes where their levels differ (the `input` and `batch` "
+    "columns), on one thread: each level's peak and modelled time against level 0, or the "
+    "level whose plan it runs, and every level checked bit for bit against the plain model. "
+    "`code` is the commit the library was at: 63d2852 before a block's container was looked "
+    "through and before a span could no longer begin with an in-place write (its MNASNet run "
+    "failed in backward), then after both (see [derive.md](derive.md#models-of-other-"
+    "libraries)). The two runs are one file, rows merged.",
     "price_calibration": "The modelled price's rates measured per model and pooled (NOTE [ A "
     "modelled price ] in `vision_ckpt._price`): one thread, batch 32, every operator of three "
     "training steps per model timed.",
