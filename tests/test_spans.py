@@ -353,3 +353,11 @@ def test_no_span_begins_with_a_call_that_writes_its_input() -> None:
     net[5][0].inplace = False
     labels = {(s.kind, s.label) for s in trace_spans(net, torch.randn(2, 3, 8, 8))}
     assert {("module", "5"), ("module", "5.0")} <= labels
+
+
+def test_an_input_made_under_inference_mode_traces() -> None:
+    # an inference tensor has no version counter for the in-place check to read
+    with torch.inference_mode():
+        x = torch.randn(2, 3, 8, 8)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 2, 1))
+    assert ("run", "0..2") in {(s.kind, s.label) for s in trace_spans(net.train(), x)}

@@ -177,7 +177,8 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
         for t in tree_leaves(args):
             if isinstance(t, torch.Tensor):
                 call.inputs.add(_key(t))
-                call.versions.append((t, t._version))
+                if not t.is_inference():  # an inference tensor has no version counter
+                    call.versions.append((t, t._version))
                 keep.append(t)
         calls.append(call)
         stack.append(call.index)
