@@ -211,11 +211,9 @@ def _trace(model: nn.Module, example_input: Any) -> list[_Call]:
     return calls
 
 
-def _overwrites_input(call: _Call) -> bool:
-    """Whether the call returned its first argument (an in-place activation, an identity) or
-    wrote one of its arguments in place (a classifier whose first layer is an in-place
-    dropout)."""
-    return call.wrote or (call.output is not None and call.output == call.first)
+def _returns_input(call: _Call) -> bool:
+    """Whether the call returned its first argument (an in-place activation, an identity)."""
+    return call.output is not None and call.output == call.first
 
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -292,7 +290,7 @@ def _runs(calls: list[_Call], excluded: set[str]) -> Iterator[list[_Call]]:
             for i in range(len(seg)):
                 for j in range(i + 1, len(seg)):
                     run = seg[i : j + 1]
-                    if _overwrites_input(run[0]):
+                    if _returns_input(run[0]):
                         continue
                     at = [registered.index(c.name[len(prefix) :]) for c in run]
                     if any(b <= a for a, b in zip(at, at[1:], strict=False)):  # rule 3
@@ -353,7 +351,7 @@ def trace_spans(model: nn.Module, example_input: Any) -> list[Span]:
             spans.append(Span("stage", holder, tuple(members), first_call[holder]))
     seen: set[tuple[str, str]] = set()
     for call in calls:
-        if _overwrites_input(call):
+        if _returns_input(call):
             continue  # an in-place layer or an identity: see NOTE [ Runs found by tracing ]
         if call.name and ("module", call.name) not in seen:
             seen.add(("module", call.name))
