@@ -158,6 +158,13 @@ NOTES: dict[str, str] = {
     "through and before a span could no longer begin with an in-place write (its MNASNet run "
     "failed in backward), then after both (see [derive.md](derive.md#models-of-other-"
     "libraries)). The two runs are one file, rows merged.",
+    "derive_wide": "Twenty-one more models of torchvision, Hugging Face, smp and MONAI (five "
+    "with a bundled preset, which the derivation sets aside: MONAI's UNet, UNETR, SwinUNETR "
+    "and DynUNet, torchvision's Swin V2-T), derived by "
+    "`benchmarks/derive_smoke.py` at a729e23 at sizes where memory matters (the `input` and "
+    "`batch` columns), one process per library group, one thread: each level's peak and "
+    "modelled time against level 0, or the level whose plan it runs, every level checked bit "
+    "for bit against the plain model (see [derive.md](derive.md#models-of-other-libraries)).",
     "price_calibration": "The modelled price's rates measured per model and pooled (NOTE [ A "
     "modelled price ] in `vision_ckpt._price`): one thread, batch 32, every operator of three "
     "training steps per model timed.",
