@@ -158,6 +158,11 @@ NOTES: dict[str, str] = {
     "through and before a span could no longer begin with an in-place write (its MNASNet run "
     "failed in backward), then after both (see [derive.md](derive.md#models-of-other-"
     "libraries)). The two runs are one file, rows merged.",
+    "derive_untuned_clock": "One row of `derive_untuned` on the clock: MONAI SegResNet's top "
+    "level derived at 63d2852 (`benchmarks/plans/segresnet_63d2852_top.yaml`, level 5) and "
+    "its top derived after a block's container was looked through (`segresnet_l3.yaml`, "
+    "level 3), beside level 0, real steps at batch 4 of 64^3, five interleaved rounds, alone "
+    "(see [derive.md](derive.md#models-of-other-libraries)).",
     "derive_wide": "Twenty-one more models of torchvision, Hugging Face, smp and MONAI (five "
     "with a bundled preset, which the derivation sets aside: MONAI's UNet, UNETR, SwinUNETR "
     "and DynUNet, torchvision's Swin V2-T), derived by "
