@@ -150,7 +150,8 @@ NOTES: dict[str, str] = {
     "level 0 (that run's L0 row is left out; rows merged). Whether the derived top is on the "
     "frontier, and the least a plan of regions was found to hold at this shape (see "
     "[derive.md](derive.md)).",
-    "derive_untuned": "Models of torchvision, smp and MONAI that no preset knows, derived by "
+    "derive_untuned": "Models of torchvision, smp and MONAI (all but SegResNet without a "
+    "bundled preset; the derivation sets a preset aside), derived by "
     "`benchmarks/derive_smoke.py` at sizes where their levels differ (the `input` and `batch` "
     "columns), on one thread: each level's peak and modelled time against level 0, or the "
     "level whose plan it runs, and every level checked bit for bit against the plain model. "
