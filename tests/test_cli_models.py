@@ -346,3 +346,22 @@ def test_a_model_that_says_nothing_gets_224_with_a_note(capsys) -> None:
     text = capsys.readouterr().out
     assert "does not say what input it takes; using 3,224,224" in text
     assert code == 0, text
+
+
+def test_fit_and_profile_resolve_a_derived_preset_for_any_model(tmp_path: Path, capsys) -> None:
+    # the user's question for a model no preset knows, from the command line: `preset:
+    # derived` in the config is derived for the model on synthetic input, then measured
+    config = tmp_path / "derived.yaml"
+    config.write_text("preset: derived\n")
+    model = "torchvision:mnasnet0_5(weights=None, num_classes=10)"
+    common = ["--model", model, "--input-shape", "3,32,32", "--config", str(config)]
+    out = tmp_path / "fit.json"
+    argv = ["fit", *common, "--budget", "256MiB", "--levels", "0,2", "--steps", "0"]
+    assert main([*argv, "--no-own-switch", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "preset: derived, at batch 32" in text
+    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["level 2"]["max_batch"] > rows["level 0"]["max_batch"] > 0
+    argv = ["profile", *common, "--batch-size", "4", "--levels", "0,2", "--steps", "1"]
+    assert main(argv) == 0
+    assert "preset: derived, at batch 4" in capsys.readouterr().out

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,28 @@ def _load_config(path: str | None) -> Any:
     from .config import CheckpointConfig
 
     return CheckpointConfig.from_file(path)
+
+
+def _resolved(
+    config: Any, model: Any, shape: tuple[int, ...], batch: int, device: str, console: Any
+) -> Any:
+    """``config`` with ``preset: derived`` resolved for this model at ``batch`` (derived once,
+    on two small batches of synthetic input); any other config as it is."""
+    if config is None or config.preset != "derived":
+        return config
+    from .derive import resolve_derived
+    from .models import output_loss
+
+    with console.status(f"deriving levels for the model at batch {batch}"):
+        started = time.perf_counter()
+        config = resolve_derived(
+            model, _input_for(shape, 2, device), config, batch, loss_fn=output_loss
+        )
+    console.print(
+        f"preset: derived, at batch {batch} ({time.perf_counter() - started:.0f} s; "
+        "`vision-ckpt derive --out` writes the preset once)"
+    )
+    return config
 
 
 def _console() -> Any:
@@ -229,7 +252,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     model = _create_model(args, args.device)
     console = _console()
-    x = _input_for(_input_shape(args, model, console), args.batch_size, args.device)
+    shape = _input_shape(args, model, console)
+    config = _resolved(config, model, shape, args.batch_size, args.device, console)
+    x = _input_for(shape, args.batch_size, args.device)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"profiling {args.model}", total=len(levels))
 
@@ -319,7 +344,9 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
     model = _create_model(args, args.device)
     console = _console()
     small = max(2, args.batch_size // 4)
-    x = _input_for(_input_shape(args, model, console), small, args.device)
+    shape = _input_shape(args, model, console)
+    config = _resolved(config, model, shape, args.batch_size, args.device, console)
+    x = _input_for(shape, small, args.device)
     # suggest_level and plan_for_budget answer the same question: one set of arguments
     question: dict[str, Any] = {
         "batch_size": args.batch_size,
@@ -451,6 +478,9 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     model = _create_model(args, args.device)
     console = _console()
     shape = _input_shape(args, model, console)
+    # derived for eight times the largest batch measured: its two small batches are then
+    # a quarter and an eighth of it, as for any derivation
+    config = _resolved(config, model, shape, 8 * max(batches), args.device, console)
     with console.status(f"measuring {args.model} at batches {args.batches}") as status:
 
         def progress(row: Any) -> None:
