@@ -1506,7 +1506,7 @@ class ChainRegion:
         frame = self.frame
         rng = _stash_rng([x]) if self.preserve_rng_state else None
         first = not self.replay.calls
-        version = x._version
+        version = x._version if first else 0  # only the run's input is saved
         if first:
             frame.rng = rng
         state = _state
