@@ -734,6 +734,27 @@ def test_a_stage_whole_around_its_layers_whole_is_a_second_recomputation(assert_
     _every_level_is_exact(model, found, assert_exact, exact_step)
 
 
+def test_every_derived_rule_decides_a_rung(assert_exact, exact_step) -> None:
+    # NOTE [ One rung per way ]: six stages held from level 2 or 3, and the whole stages kept
+    # at level 5, both give a stage its full region; the level-5 rule, applied after the other,
+    # replaced it, so levels 2-4 ran without the regions they were measured with
+    torch.manual_seed(0)
+    model = _stem_stack_head([_ConvStack(8) for _ in range(6)], 8)
+    found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
+    assert "1.0.main" in found.levels[-1].whole  # the case: stages whole at the top ...
+    held: dict[str, int] = {}
+    for r in found.rules:
+        if r.match.endswith(".main") and r.keep is None:
+            held[r.match] = min(held.get(r.match, 5), int(r.level))
+    assert held and min(held.values()) < 5, held  # ... over stages held below it
+    plan = vision_ckpt.plan(model, found.config())
+    used = {text for e in plan for text in e.rule.split("; ")}
+    assert [str(r) for r in found.rules if str(r) not in used] == []
+    for name, level in held.items():
+        assert name in plan.at_level(level).checkpointed, (name, level)
+    _every_level_is_exact(model, found, assert_exact, exact_step)
+
+
 class _Fuse(nn.Module):
     """MAnet's attention decoder block in small: a repeated pair of layers on the coarse input,
     an upsampling, a gate on the skip, a concatenation and two more layers; no sequence repeats

@@ -31,9 +31,9 @@ from ._memory import format_bytes
 from ._optimise import Block, Choice, Span as ChainSpan, choose
 from ._planner import Menus, least_memory, measure_menus
 from ._spans import Span, trace_spans
-from .apply import run_members
+from .apply import plan, run_members
 from .config import CheckpointConfig, LevelRule
-from .errors import ConfigError
+from .errors import ConfigError, internal_assert
 from .levels import Level
 from .matching import exact_name_pattern
 from .peak import physical_floor
@@ -761,7 +761,58 @@ def _emit(
     if lean_from is not None:
         rules += [_rule(s, lean_from, lean=True) for s in _lean_outside_runs(regions, rules)]
     # a unit missing from a level's plan (a level marked as level 0's) is kept there
-    return rules
+    return _one_rung_per_way(rules)
+
+
+# NOTE [ One rung per way ]
+#
+# A config gives a module one rung per way of checkpointing it (a region's keep, segments,
+# through and offload, or lean): a later rule of the same way replaces the earlier one, at
+# whatever level (``apply._add_way``), so that a user's rule can move a preset's region to
+# another level. The derivation's rules are "from level k on", and two of its sources can name
+# the same way of one module: a stage held from level 2 (its own full region) and the whole
+# stages tried at level 5 (every stage full again) were both emitted. Applied, the level-5 rule
+# replaced the level-2 one, so levels 2-4 ran without that region: MAnet at batch 32 measured
+# 1358 MiB at level 2 during its derivation and 1573 MiB from the preset it wrote. The lower
+# rule already covers every level above it, so the later one of the same way is dropped here,
+# where every measured plan and the written preset are made: what is measured is what is
+# written. A rule at the same level or lower still replaces, as it does when applied (the
+# fallback's regions come first so that the derived ones win). ``_lost_rules`` checks the
+# result against the plan the config makes.
+
+
+def _way_of(rule: LevelRule) -> tuple[Any, ...]:
+    """The module pattern and the way a rule checkpoints it, as ``apply`` keys its rungs."""
+    if rule.lean:
+        return (rule.match, rule.match_type, "lean")
+    keep = None if rule.keep is None else repr(rule.keep)
+    return (rule.match, rule.match_type, keep, rule.offload, rule.segments, rule.through)
+
+
+def _one_rung_per_way(rules: Sequence[LevelRule]) -> list[LevelRule]:
+    """``rules`` without a rule whose way an earlier rule at a lower level already gives the
+    same module (NOTE [ One rung per way ])."""
+    kept: list[LevelRule | None] = []
+    at: dict[tuple[Any, ...], int] = {}
+    for rule in rules:
+        way = _way_of(rule)
+        earlier = at.get(way)
+        if earlier is not None:
+            first = kept[earlier]
+            if first is not None and first.level < rule.level:
+                continue
+            kept[earlier] = None  # replaced, as applying it would
+        at[way] = len(kept)
+        kept.append(rule)
+    return [r for r in kept if r is not None]
+
+
+def _lost_rules(model: nn.Module, rules: Sequence[LevelRule]) -> list[str]:
+    """The rules of ``rules`` that decide no rung in the plan they make (a later rule replaced
+    them): none, for the derivation's own (NOTE [ One rung per way ])."""
+    config = CheckpointConfig(preset=None, rules=list(rules))
+    used = {text for e in plan(model, config) for text in e.rule.split("; ")}
+    return [str(r) for r in rules if str(r) not in used]
 
 
 def _lean_outside_runs(regions: Regions, rules: Sequence[LevelRule]) -> list[Span]:
@@ -1195,7 +1246,13 @@ def _levels(
     _mark_steps(levels, menus.peak0, menus.base_time)
     _account(levels, found, regions, menus)
     per_level = [lv.strategies for lv in levels]
-    return levels, found.rules(work.model, regions, menus, per_level)
+    rules = found.rules(work.model, regions, menus, per_level)
+    # the fallback's rules come first so that derived ones replace them (_Additions.rules)
+    extra = _fallback_at(work.model, found.fallback) if found.fallback is not None else []
+    replaced = {str(r) for r in extra}
+    lost = [r for r in _lost_rules(work.model, rules) if r not in replaced]
+    internal_assert(not lost, f"derived rules that no level runs: {lost}")
+    return levels, rules
 
 
 def _anchors(work: Workload, regions: Regions, target: int) -> dict[int, int]:
