@@ -6,8 +6,9 @@ sweep for the failures a handful of tuned models cannot show, a region the trace
 ``plan()`` refuses in combination, a menu with no option left. Each model: ``derive_preset`` at
 its batch (default 8) on an input of two, then one step of the plain model and one at each
 derived level that runs a plan of its own, from the same seed: the loss, every parameter
-gradient and every buffer (BatchNorm statistics) compared bit for bit. Exits 1 if any model
-failed::
+gradient and every buffer (BatchNorm statistics) compared bit for bit; and each such level's
+preset, as written, measured at the batch as the derivation measured it: the same peak, to the
+byte. Exits 1 if any model failed::
 
     python benchmarks/derive_smoke.py                    # 37 timm models of other families
     python benchmarks/derive_smoke.py --others           # torchvision, Hugging Face, smp, MONAI
@@ -35,6 +36,8 @@ import timm
 import torch
 
 import vision_ckpt
+from vision_ckpt._extrapolate import extrapolated_peak, peak_measurer
+from vision_ckpt._measure import Workload
 from vision_ckpt.models import build_model, default_input_shape, output_loss, parse_input_shape
 
 MODELS = (
@@ -104,9 +107,8 @@ def check(entry: str) -> dict[str, object]:
     torch.manual_seed(0)
     model, shape, batch = _model_and_input(entry)
     model.train()
-    found = vision_ckpt.derive_preset(
-        model, torch.randn(2, *shape), batch, loss_fn=output_loss, floor=False
-    )
+    example = torch.randn(2, *shape)
+    found = vision_ckpt.derive_preset(model, example, batch, loss_fn=output_loss, floor=False)
     peaks = [found.peak0] + [lv.peak for lv in found.levels]
     if any(b > a for a, b in zip(peaks, peaks[1:], strict=False)):
         raise AssertionError(f"a level's peak rose above the level below's: {peaks}")
@@ -120,6 +122,13 @@ def check(entry: str) -> dict[str, object]:
         if not _same(plain, _step(derived, x)):
             raise AssertionError(
                 f"level {lv.level}'s loss, a gradient or a buffer differs from the plain model's"
+            )
+        # the preset as written runs the plan the derivation measured (NOTE [ One rung per way ])
+        work = Workload(derived, example, output_loss, None)
+        written = extrapolated_peak(peak_measurer(work), batch, None, halfway=False)[0]
+        if written != lv.peak:
+            raise AssertionError(
+                f"level {lv.level} as written peaks at {written} bytes, derived at {lv.peak}"
             )
     return {
         "batch": batch,
