@@ -119,7 +119,9 @@ NOTES: dict[str, str] = {
     "(`--sample-seconds 3`, `steps_per_sample` in each row; same plans). After a run could "
     "skip a child registered inside its range, VNet (five rounds) and CAFormer-S18 (eleven) "
     "alone, one after the other (their plans changed), and `x_floor` of every row against "
-    "the floor measured at the batch (`floor_b32`). "
+    "the floor measured at the batch (`floor_b32`). MAnet again (eleven rounds, beside "
+    "another benchmark) after its written preset stopped running levels 2-4 without its held "
+    "decoder stages (NOTE [ One rung per way ]; same plans, now as measured). "
     "Models no preset knows: "
     "derived levels (D) beside the structural fallback's top level (F) and the library's own "
     "switch where it has one, real steps; see [derive.md](derive.md).",
