@@ -433,14 +433,10 @@ class _Way:
 
     @property
     def key(self) -> tuple[Any, ...]:
-        """What the way makes of the module: ``("none",)`` (a level-0 rule), ``("lean",)``, or
-        ``("region", keep, offload, segments, through)``."""
-        rule = self.rule
-        if rule.level == 0:
-            return ("none",)
-        if rule.lean:
-            return ("lean",)
-        return ("region", rule.keep, rule.offload, self.segments, self.through)
+        """What the way makes of the module (``LevelRule.way``), with the group's span in place
+        of the rule's for a ModuleList's group."""
+        way = self.rule.way
+        return way if way[0] != "region" else (*way[:3], self.segments, self.through)
 
 
 _Ways = dict[str, dict[tuple[Any, ...], _Way]]

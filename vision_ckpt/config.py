@@ -429,6 +429,21 @@ class LevelRule(_Schema):
             )
         return self
 
+    @property
+    def way(self) -> tuple[Any, ...]:
+        """What the rule makes of a module it selects: ``("none",)`` (level 0), ``("lean",)``, or
+        ``("region", keep, offload, segments, through)``. A module keeps one rung per way: a
+        later rule of the same way replaces an earlier one at any level (``apply.plan``).
+
+        >>> LevelRule(match="blocks.*", level=2, keep="heavy").way
+        ('region', KeepOps(ops='heavy', below=None), False, None, None)
+        """
+        if self.level == 0:
+            return ("none",)
+        if self.lean:
+            return ("lean",)
+        return ("region", self.keep, self.offload, self.segments, self.through)
+
     def _region_keys(self) -> list[str]:
         keys = [f"keep={self.keep}"] if self.keep is not None else []
         keys += [f"{k}={getattr(self, k)}" for k in ("segments", "through") if getattr(self, k)]

@@ -766,27 +766,18 @@ def _emit(
 
 # NOTE [ One rung per way ]
 #
-# A config gives a module one rung per way of checkpointing it (a region's keep, segments,
-# through and offload, or lean): a later rule of the same way replaces the earlier one, at
-# whatever level (``apply._add_way``), so that a user's rule can move a preset's region to
-# another level. The derivation's rules are "from level k on", and two of its sources can name
-# the same way of one module: a stage held from level 2 (its own full region) and the whole
-# stages tried at level 5 (every stage full again) were both emitted. Applied, the level-5 rule
-# replaced the level-2 one, so levels 2-4 ran without that region: MAnet at batch 32 measured
-# 1358 MiB at level 2 during its derivation and 1573 MiB from the preset it wrote. The lower
-# rule already covers every level above it, so the later one of the same way is dropped here,
-# where every measured plan and the written preset are made: what is measured is what is
-# written. A rule at the same level or lower still replaces, as it does when applied (the
-# fallback's regions come first so that the derived ones win). ``_lost_rules`` checks the
-# result against the plan the config makes.
-
-
-def _way_of(rule: LevelRule) -> tuple[Any, ...]:
-    """The module pattern and the way a rule checkpoints it, as ``apply`` keys its rungs."""
-    if rule.lean:
-        return (rule.match, rule.match_type, "lean")
-    keep = None if rule.keep is None else repr(rule.keep)
-    return (rule.match, rule.match_type, keep, rule.offload, rule.segments, rule.through)
+# A config gives a module one rung per way of checkpointing it (``LevelRule.way``: a region's keep,
+# segments, through and offload, or lean): a later rule of the same way replaces the earlier one, at
+# whatever level (``apply.plan``), so that a user's rule can move a preset's region to another
+# level. The derivation's rules are "from level k on", and two of its sources can name the same way
+# of one module: a stage held from level 2 (its own full region) and the whole stages tried at level
+# 5 (every stage full again) were both emitted. Applied, the level-5 rule replaced the level-2 one,
+# so levels 2-4 ran without that region: MAnet at batch 32 measured 1358 MiB at level 2 during its
+# derivation and 1573 MiB from the preset it wrote. The lower rule already covers every level above
+# it, so the later one of the same way is dropped here, where every measured plan and the written
+# preset are made: what is measured is what is written. A rule at the same level or lower still
+# replaces, as it does when applied (the fallback's regions come first so that the derived ones
+# win). ``_lost_rules`` checks the result against the plan the config makes.
 
 
 def _one_rung_per_way(rules: Sequence[LevelRule]) -> list[LevelRule]:
@@ -795,7 +786,7 @@ def _one_rung_per_way(rules: Sequence[LevelRule]) -> list[LevelRule]:
     kept: list[LevelRule | None] = []
     at: dict[tuple[Any, ...], int] = {}
     for rule in rules:
-        way = _way_of(rule)
+        way = (rule.match, rule.match_type, rule.way)
         earlier = at.get(way)
         if earlier is not None:
             first = kept[earlier]
