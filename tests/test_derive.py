@@ -808,6 +808,66 @@ def test_a_block_of_single_layers_is_a_stage_recomputed_whole(assert_exact, exac
     _every_level_is_exact(model, found, assert_exact, exact_step)
 
 
+class _Up(nn.Module):
+    """A decoder's up-transition: the coarse input upsampled, concatenated with the skip, a
+    layer over both and a residual addition (MONAI VNet's UpTransition in small)."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(cin, cout, 2, stride=2, bias=False)
+        self.norm = nn.BatchNorm2d(cout)
+        self.act = nn.ELU()
+        self.conv = _Layer(2 * cout, 2 * cout, 3)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        both = torch.cat((self.act(self.norm(self.up(x))), skip), 1)
+        return self.conv(both) + both
+
+
+class _SkipNet(nn.Module):
+    """MONAI VNet's two ends in small: an input layer and a downsampling module called one
+    after the other (a run of the trace; each a unit, the second holding a longer run), a
+    stack of layers, and an up-transition taking the input layer's output as its skip."""
+
+    def __init__(self, w: int = 8) -> None:
+        super().__init__()
+        self.inp = _Layer(3, w, 3)
+        self.down = nn.Sequential(nn.MaxPool2d(2), _Layer(w, 2 * w, 3), nn.Conv2d(2 * w, 2 * w, 1))
+        self.mid = nn.Sequential(*[_Layer(2 * w, 2 * w, 3) for _ in range(3)])
+        self.up = _Up(2 * w, w)
+        self.head = nn.Conv2d(2 * w, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.inp(x)
+        return self.head(self.up(self.mid(self.down(skip)), skip))
+
+
+def test_a_skip_is_dropped_by_inner_regions_alone_and_a_run_of_units(
+    assert_exact, exact_step
+) -> None:
+    # NOTE [ Inner regions alone ], NOTE [ Runs of units ]: the skip is kept as the input of
+    # the down layer's region and of the up-transition's; nested, the up-transition keeps it
+    # for a second forward; its halves alone and the two encoder units as one run keep it
+    # nowhere
+    torch.manual_seed(0)
+    model = _SkipNet()
+    regions = regions_of(model, torch.randn(2, 3, 32, 32))
+    assert [[u.label for u in chain] for chain in regions.chains] == [["inp", "down"]]
+    assert "down" in regions.inner  # a unit holding its own run
+    found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
+    inner = [lv.level for lv in found.levels if lv.strategies.get("up") == "inner"]
+    assert inner, [lv.strategies for lv in found.levels]
+    assert not [r for r in found.rules if r.match == "up"]  # no region of its own
+    assert {"up.up", "up.conv.conv"} <= {r.match for r in found.rules}
+    runs = [lv for lv in found.levels if lv.runs == ("inp..down",)]
+    assert runs and runs[0].level >= 4, [(lv.level, lv.runs) for lv in found.levels]
+    below = found.levels[runs[0].level - 2]
+    assert runs[0].peak < below.peak * 0.95  # a step of its own
+    rule = next(r for r in found.rules if r.through == "down")
+    assert (rule.match, int(rule.level)) == ("inp", runs[0].level)
+    _every_level_is_exact(model, found, assert_exact, exact_step)
+
+
 def test_least_memory_takes_a_stages_leanest_way() -> None:
     # two ways over the same blocks: the one that keeps fewer bytes is the least memory, in
     # whatever order the menus list them

@@ -306,16 +306,19 @@ def _related(a: str, b: str) -> bool:
 # Bytes. Four forwards with count_saved_bytes, the bytes going to the innermost candidate block
 # running when autograd saves them: nothing checkpointed (keep), every block selective, every
 # block full, and only the blocks' inner regions checkpointed (what a nested block holds while it
-# is recomputed). kept(s) is the block's figure under strategy s; a full or nested block keeps
-# its input. transient(s) is what recomputation brings back: keep's bytes minus kept(s); for
-# nested, the inner-checkpointed figure minus the input, plus one inner region's share.
+# is recomputed, and what an ``inner`` block keeps: its inner regions without a region of its
+# own, on the derivation's menu). kept(s) is the block's figure under strategy s; a full or
+# nested block keeps its input. transient(s) is what recomputation brings back: keep's bytes
+# minus kept(s); for nested, the inner-checkpointed figure minus the input, plus one inner
+# region's share; for inner, that share.
 #
 # Time. One forward with every operator timed (synchronising the device around each one), each
 # operator's time going to the innermost candidate block running it. The extra work of full is
 # the block's whole forward; of selective, the operators whose outputs it does not keep (the same
 # decision SaveOps makes when it runs); of nested, full plus the operators inside its inner
-# regions, which run a third time. So the price is the device's own: on a GPU norms and
-# activations cost far more per FLOP than convolutions, and the plan sees it.
+# regions, which run a third time; of inner, those operators once more. So the price is the
+# device's own: on a GPU norms and activations cost far more per FLOP than convolutions, and
+# the plan sees it.
 #
 # Stages. A module holding a run of the blocks (a stage) may be one selective region instead:
 # it then also recomputes the tensors its blocks pass each other, which per-block regions keep
@@ -508,6 +511,9 @@ def _strategy_config(
             continue
         strategy = strategies.get(entry.name, "keep")
         if strategy in ("keep", "stage", "stage_below"):
+            continue
+        if strategy == "inner":  # its inner regions alone (NOTE [ Inner regions alone ] in derive)
+            rules += _inner_rules(ends, inner_of[entry.name])
             continue
         rules.append(
             LevelRule(
@@ -727,7 +733,7 @@ def _measure_points(
                 with applied(model, setup.uniform[s]):
                     for n, v in _saved_by_block(work, x, names, runs).items():
                         kept[s][n].append((b, v))
-        if "nested" in menu and setup.inner_all:
+        if {"nested", "inner"} & set(menu) and setup.inner_all:
             with applied(model, setup.inner_only):
                 for n, v in _saved_by_block(work, x, names, runs).items():
                     kept["inner"][n].append((b, v))
@@ -741,6 +747,7 @@ def _measure_points(
             spent["selective"][n].append((b, times.recomputed[n]))
             spent["selective_below"][n].append((b, times.recomputed_below[n]))
             spent["nested"][n].append((b, times.total[n] + times.inner[n]))
+            spent["inner"][n].append((b, times.inner[n]))
     return kept, spent, step_time
 
 
@@ -781,6 +788,10 @@ def _block_menus(
             options.append(
                 Option("nested", k, max(0, held - k) + share, seconds(spent["nested"][n]))
             )
+        if "inner" in menu and setup.inner_of[n]:  # NOTE [ Inner regions alone ] in derive
+            held = nbytes(kept["inner"][n])
+            share = max(0, keep_bytes - held) // len(setup.inner_of[n])
+            options.append(Option("inner", held, share, seconds(spent["inner"][n])))
         blocks.append(Block(n, tuple(options)))
         table.append(
             {

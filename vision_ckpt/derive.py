@@ -28,7 +28,7 @@ from torch import nn
 from ._extrapolate import extrapolated_peak, peak_measurer, predict_from_timelines, small_batches
 from ._measure import LossFn, Workload, applied, default_loss, model_restored
 from ._memory import format_bytes
-from ._optimise import Block, Choice, Span as ChainSpan, choose
+from ._optimise import Block, Choice, Option, Span as ChainSpan, choose, predict
 from ._planner import Menus, least_memory, measure_menus
 from ._spans import Span, trace_spans
 from .apply import plan, run_members
@@ -173,6 +173,9 @@ class Regions:
     sizes: dict[str, int] = field(default_factory=dict)
     """Unit or inner region -> its row of the size table (NOTE [ The size table's rows ]):
     1 a single layer, 2 a small block, 3 a medium module."""
+    chains: list[list[Span]] = field(default_factory=list)
+    """Sequences of two or more consecutive units that are, one after another, a run of the
+    trace: what may be recomputed as one run (NOTE [ Runs of units ])."""
 
     def named(self) -> dict[str, Span]:
         """Name -> span, of every unit, inner region and stage (a unit wins over an inner
@@ -266,6 +269,7 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
         pieces = _cut(model, run, lean_names)
         cut += [p for p in pieces if _weighted(model, p)] if len(pieces) > 1 else pieces
     units = sorted([*blocks, *cut, *others], key=lambda s: s.order)
+    chains = _chains(units, spans)
     # a module unit holding no other unit has inner regions too (a decoder's up-transition)
     holders = [*blocks]
     for u in units:
@@ -283,7 +287,24 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
     holders = _layer_blocks(spans, units, sizes)
     stages = [s for s in stages if not any(_inside(s.name, h.name) for h in holders)]
     stages = sorted([*stages, *holders], key=lambda s: s.order)
-    return Regions(units, inner, stages, lean, groups, sizes)
+    return Regions(units, inner, stages, lean, groups, sizes, chains)
+
+
+def _chains(units: Sequence[Span], spans: Sequence[Span]) -> list[list[Span]]:
+    """The longest sequences of consecutive units (in forward order) whose members, one after
+    another, are a run of the trace (NOTE [ Runs of units ])."""
+    runs = {s.members for s in spans if s.kind == "run"}
+    chains: list[list[Span]] = []
+    current: list[Span] = []
+    for unit in [*units, None]:
+        joined = (*(m for u in current for m in u.members), *unit.members) if unit else ()
+        if unit is not None and current and joined in runs:
+            current.append(unit)
+            continue
+        if len(current) >= 2:
+            chains.append(current)
+        current = [unit] if unit is not None else []
+    return chains
 
 
 # NOTE [ A block of single layers ]
@@ -461,8 +482,12 @@ def _size(model: nn.Module, span: Span, inner: dict[str, list[Span]]) -> int:
 # plan and runs it.
 
 # the derivation's menu: the planner's, the ways that redo cheap products (NOTE [ Products
-# cheap to redo ] in _price) and stages recomputed whole (NOTE [ A stage recomputed whole ])
-_MENU = ("keep", "selective", "selective_below", "full", "nested", "stage", "stage_below", "held")
+# cheap to redo ] in _price), a unit's inner regions alone (NOTE [ Inner regions alone ]) and
+# stages recomputed whole (NOTE [ A stage recomputed whole ])
+_MENU = (
+    *("keep", "selective", "selective_below", "full", "nested", "inner"),
+    *("stage", "stage_below", "held"),
+)
 _SPACING = (0.35, 0.75, 0.9)
 _ROUNDS = 3
 _TOP_SLACK = 0.02
@@ -476,6 +501,7 @@ _RANK = {
     "stage_below": 2,
     "full": 3,
     "held": 3,
+    "inner": 3,
     "nested": 4,
     "held_nested": 4,
 }
@@ -490,11 +516,15 @@ def _allowed(previous: str, option: str) -> bool:
     level only adds regions (NOTE [ Five levels from one menu ])."""
     if previous in ("held", "held_nested"):  # a stage recomputed whole stays so
         return option in ("held_nested", previous)
+    if previous == "inner":  # NOTE [ Inner regions alone ]: the unit may only come around them
+        return option in ("inner", "nested")
     if previous in ("stage", "stage_below"):
         grown = ("stage", "stage_below") if previous == "stage" else ("stage_below",)
-        return option in (*grown, "full", "nested", "held", "held_nested")
+        return option in (*grown, "full", "nested", "inner", "held", "held_nested")
     if option == "held_nested":  # the stage whole around blocks recomputed whole (or kept)
         return previous in ("keep", "full")
+    if option == "inner":  # a full region of the unit's own would stay around them
+        return previous in ("keep", "selective", "selective_below")
     if previous in ("selective", "selective_below") and option in ("stage", "stage_below", "held"):
         return False
     return _RANK[option] >= _RANK[previous]
@@ -543,11 +573,14 @@ class DerivedLevel:
     strategies: dict[str, str]
     """Unit -> ``keep``, ``selective``, ``selective_below`` (selective, and its products cheap
     to redo redone: NOTE [ Products cheap to redo ] in ``_price``), ``full``, ``nested``,
-    ``stage`` (its stage one selective region), ``stage_below`` (that, redoing its cheap
-    products), ``held`` (its stage one region recomputed whole) or ``held_nested`` (that, and
-    the unit recomputed whole again inside it): NOTE [ A stage recomputed whole ]."""
+    ``inner`` (its inner regions alone, NOTE [ Inner regions alone ]), ``stage`` (its stage
+    one selective region), ``stage_below`` (that, redoing its cheap products), ``held`` (its
+    stage one region recomputed whole) or ``held_nested`` (that, and the unit recomputed whole
+    again inside it): NOTE [ A stage recomputed whole ]."""
     lean: tuple[str, ...] = ()
     """MLPs run with the lean backward at this level."""
+    runs: tuple[str, ...] = ()
+    """Runs of units recomputed as one region at this level (NOTE [ Runs of units ])."""
     whole: tuple[str, ...] = ()
     """Stages recomputed whole at this level, their blocks checkpointed again inside."""
     fallback: bool = False
@@ -573,6 +606,7 @@ class DerivedLevel:
             "stage_below",
             "held",
             "full",
+            "inner",
             "nested",
             "held_nested",
         )
@@ -664,6 +698,7 @@ class DerivedPreset:
                 if lv.same_as is not None
                 else ", ".join(f"{n} {s}" for s, n in lv.counts().items())
                 + (f", {len(lv.lean)} lean" if lv.lean else "")
+                + (f", {len(lv.runs)} run(s) of units as one" if lv.runs else "")
                 + (f", {len(lv.whole)} stage(s) whole" if lv.whole else "")
                 + (", the fallback's regions nested" if lv.fallback else "")
             )
@@ -715,10 +750,13 @@ def _emit(
     groups: Sequence[Span] = (),
     whole_from: int | None = None,
     fallback: Sequence[LevelRule] = (),
+    runs_from: int | None = None,
+    runs: Sequence[Span] = (),
 ) -> list[LevelRule]:
     """Rules that run ``per_level[k - 1]`` at training level k (NOTE [ Five levels from one
     menu ]): per unit a selective rung, one redoing its cheap products, a full rung and its
-    inner regions, each from the first level that uses it; per stage the same for its ways."""
+    inner regions (nested, or alone: NOTE [ Inner regions alone ]), each from the first level
+    that uses it; per stage the same for its ways; runs of units (NOTE [ Runs of units ])."""
     spans = regions.named()
     rules: list[LevelRule] = []
     cheap = {"ops": "heavy", "below": menus.below}  # NOTE [ Products cheap to redo ] in _price
@@ -743,17 +781,30 @@ def _emit(
         selective = _first(sequence, ("selective",))
         below = _first(sequence, ("selective_below",))
         full = _first(sequence, ("full", "nested", "held_nested"))
-        nested = _first(sequence, ("nested",))
+        inside = _first(sequence, ("inner", "nested"))
         if selective is not None:
             rules.append(_rule(span, selective, keep="heavy"))
         if below is not None:
             rules.append(_rule(span, below, keep=cheap))
         if full is not None:
             rules.append(_rule(span, full))
-        if nested is not None:  # the inner regions the planner priced, with their spans
-            rules += [_rule(spans[n], nested) for n in menus.inner_of[block.name]]
+        if inside is not None:  # the inner regions the planner priced, with their spans
+            rules += [_rule(spans[n], inside) for n in menus.inner_of[block.name]]
     if groups_from is not None:
         rules += [_rule(g, groups_from, segments="auto") for g in groups]
+    if runs_from is not None and runs:  # NOTE [ Runs of units ]
+        members = {exact_name_pattern(m) for r in runs for m in r.members}
+        # a member's own full region from the run's level on would run nowhere
+        rules = [
+            r
+            for r in rules
+            if not (
+                r.match in members
+                and r.level >= runs_from
+                and r.way[:4] == ("region", None, False, None)
+            )
+        ]
+        rules += [_rule(r, runs_from) for r in runs]
     if whole_from is not None:
         rules += [_rule(s, whole_from) for s in regions.stages]
     if fallback:  # first, so that the derived rules win where both set a module's way
@@ -1029,7 +1080,8 @@ def derive_preset(
         outer = [s.name for s in regions.stages if s.kind != "stage"]  # blocks of single layers
         menus = measure_menus(work, target, base, _MENU, None, True, outer)
         menus.spans = _small_stages_whole(menus, regions)
-        levels, rules = _levels(work, regions, menus, target)
+        alone = _inner_apart(menus)
+        levels, rules = _levels(work, regions, menus, alone, target)
         floor_bytes = _floor_at(model, work, target, loss_fn) if floor else None
         bundled = preset_for_model(model)
         compared = None
@@ -1083,6 +1135,33 @@ def derive_preset(
 # against 739. Models with no stage of single layers derive what they derived before.
 
 
+# NOTE [ Inner regions alone ]
+#
+# A unit with inner regions may also have them checkpointed without a region of its own
+# (``inner``): each inner region keeps its input, and what the unit runs outside them (a
+# concatenation, a residual addition) saves what it saves in a plain step. Against ``nested``
+# (the unit recomputed, its inner regions again inside it), the inner regions run once more
+# instead of the unit's forward twice, and their inputs are kept instead of the unit's. Where
+# the unit's input is held anyway, nested pays its second forward for nothing: MONAI VNet's
+# last up-transition takes the encoder's first output as its skip, which the next encoder
+# region keeps as its input too. At batch 8 of 64^3 its derived top, that up-transition
+# nested, held 1637 MiB for 1.35x level 0's modelled time; with its two halves alone, the same
+# peak for 1.22x (``benchmarks/plans/vnet_*.yaml``).
+#
+# The program cannot see that: it sums what each unit keeps, and a storage two regions keep
+# counts twice, so it prices the halves as keeping more than the unit nested. Offered to it
+# from level 4 on, ``inner`` moved ResNet-50's level 4 at batch 32 (825.75 MiB for 1.71x
+# modelled) onto its level 2's plan. So the planner prices it (the bytes of the forward with
+# only inner regions checkpointed, the time of their operators) and the program is not
+# offered it; instead each level's nested units are tried with their inner regions alone,
+# all of that level's together, once the levels are chosen, and run so where the level's
+# measured peak does not rise (less time for the same memory). Rules "from level k on"
+# express it for a unit kept, selective, or in a selective stage at the level below (a
+# selective region steps aside where full regions inside it start: NOTE [ Selective regions
+# step aside ] in wrapper), and nested above it again (the unit's full rule added later); a
+# unit recomputed whole below cannot give its region up for its inner ones.
+
+
 def _small_stages_whole(menus: Menus, regions: Regions) -> list[ChainSpan]:
     """The stages on the menu, recomputed whole only where they hold single layers (NOTE [ A
     stage recomputed whole ])."""
@@ -1105,25 +1184,39 @@ class _Additions:
 
     stacks: list[Span]
     """The stacks that may run as groups: those whose blocks the top level recomputes whole."""
+    merged: list[Span] = field(default_factory=list)
+    """The runs of units the top level recomputes whole, each as one run (NOTE [ Runs of
+    units ])."""
     groups: int | None = None
     lean: int | None = None
     whole: int | None = None
     fallback: int | None = None
+    runs: int | None = None
 
     def rules(
         self, model: nn.Module, regions: Regions, menus: Menus, per_level: Sequence[dict[str, str]]
     ) -> list[LevelRule]:
         extra = _fallback_at(model, self.fallback) if self.fallback is not None else []
         if extra:  # a later member of a derived run is recomputed with its run, not alone
+            runs = [*regions.named().values(), *(self.merged if self.runs is not None else ())]
             inside = {
                 exact_name_pattern(m)
-                for span in regions.named().values()
+                for span in runs
                 if span.kind == "run"
                 for m in span.members[1:]
             }
             extra = [r for r in extra if r.match not in inside]
         return _emit(
-            regions, menus, per_level, self.lean, self.groups, self.stacks, self.whole, extra
+            regions,
+            menus,
+            per_level,
+            self.lean,
+            self.groups,
+            self.stacks,
+            self.whole,
+            extra,
+            self.runs,
+            self.merged,
         )
 
 
@@ -1136,10 +1229,12 @@ def _try_additions(
     target: int,
     lean: int | None,
 ) -> _Additions:
-    """Groups, whole stages and the fallback's regions, each from the top down and kept where
-    it lowers the measured peak enough, each on top of the ones kept before it and of the lean
-    MLPs (``lean``: the level they run from, decided before the levels)."""
-    found = _Additions(_stacks(regions, per_level[-1]), lean=lean)
+    """Groups, runs of units as one, whole stages and the fallback's regions, each from the top
+    down and kept where it lowers the measured peak enough, each on top of the ones kept before
+    it and of the lean MLPs (``lean``: the level they run from, decided before the levels)."""
+    found = _Additions(
+        _stacks(regions, per_level[-1]), _merged_runs(regions, per_level[-1]), lean=lean
+    )
 
     def config_with(addition: str) -> Callable[[int], CheckpointConfig]:
         """The plan with what was kept so far and ``addition`` from level k on."""
@@ -1154,14 +1249,19 @@ def _try_additions(
 
     def whole_at(k: int) -> bool:  # a group of blocks is a large module: level 4 and up
         return k >= _STAGE_LEVEL and all(
-            per_level[k - 1].get(m) in ("full", "nested") for g in found.stacks for m in g.members
+            per_level[k - 1].get(m) in _RECOMPUTED for g in found.stacks for m in g.members
         )
+
+    def runs_at(k: int) -> bool:  # a run of units is a large module: level 4 and up
+        return k >= _STAGE_LEVEL and _merged_runs(regions, per_level[k - 1]) == found.merged
 
     def only_top(k: int) -> bool:
         return k == len(levels)
 
     if found.stacks:
         found.groups = _from_top(work, levels, target, config_with("groups"), whole_at)
+    if found.merged:
+        found.runs = _from_top(work, levels, target, config_with("runs"), runs_at)
     if regions.stages:
         found.whole = _from_top(work, levels, target, config_with("whole"), only_top, _STEP)
     if _fallback_at(work.model, len(levels)):  # _from_top drops it where it does not combine
@@ -1172,8 +1272,8 @@ def _try_additions(
 def _account(levels: list[DerivedLevel], found: _Additions, regions: Regions, menus: Menus) -> None:
     """After marking: each addition from the first level that runs its own plan, and the
     forward each adds that the program did not price (a group, a whole stage or the
-    fallback's trunk runs its blocks' forwards once more)."""
-    for name in ("groups", "lean", "whole", "fallback"):
+    fallback's trunk runs its blocks' forwards once more; a run of units none)."""
+    for name in ("groups", "lean", "whole", "fallback", "runs"):
         setattr(found, name, _first_unmarked(levels, getattr(found, name)))
     every = [b.name for b in menus.blocks]
     for lv in levels:
@@ -1181,6 +1281,8 @@ def _account(levels: list[DerivedLevel], found: _Additions, regions: Regions, me
             continue
         if found.lean is not None and lv.level >= found.lean:
             lv.lean = tuple(s.name for s in regions.lean)
+        if found.runs is not None and lv.level >= found.runs:
+            lv.runs = tuple(r.label for r in found.merged)
         if found.groups is not None and lv.level >= found.groups:
             grouped = [m for g in found.stacks for m in g.members]
             lv.predicted_time += _forward_seconds(menus, grouped)
@@ -1197,7 +1299,7 @@ def _account(levels: list[DerivedLevel], found: _Additions, regions: Regions, me
 
 
 def _levels(
-    work: Workload, regions: Regions, menus: Menus, target: int
+    work: Workload, regions: Regions, menus: Menus, alone: dict[str, Option], target: int
 ) -> tuple[list[DerivedLevel], list[LevelRule]]:
     """Levels 1-5 chosen, measured, given what the program cannot price, and marked, and the
     rules that run them (NOTE [ Five levels from one menu ])."""
@@ -1219,6 +1321,7 @@ def _levels(
     lean, top_peak = _lean_first(regions, menus, top, measure_with)
     lowest = _lowest(work, regions, menus, (least, top), lean, top_peak, target)
     plans = _plans(menus, measure_with(lean), lowest, _anchors(work, regions, target))
+    plans = _unnested(menus, alone, plans, measure_with(lean))
     per_level = [strategies for strategies, _, _ in plans]
     levels = [
         DerivedLevel(
@@ -1244,6 +1347,54 @@ def _levels(
     lost = [r for r in _lost_rules(work.model, rules) if r not in replaced]
     internal_assert(not lost, f"derived rules that no level runs: {lost}")
     return levels, rules
+
+
+def _inner_apart(menus: Menus) -> dict[str, Option]:
+    """Takes the ``inner`` options off the program's menus, and returns them by unit: they are
+    tried by measurement only (NOTE [ Inner regions alone ])."""
+    inner = {b.name: o for b in menus.blocks for o in b.options if o.strategy == "inner"}
+    menus.blocks = [
+        Block(b.name, tuple(o for o in b.options if o.strategy != "inner")) for b in menus.blocks
+    ]
+    return inner
+
+
+def _unnested(
+    menus: Menus,
+    inner: dict[str, Option],
+    plans: list[_Best],
+    measure: Callable[[int, list[dict[str, str]]], int],
+) -> list[_Best]:
+    """``plans`` with each level's nested units running their inner regions alone (``inner``:
+    their options) where that measures no higher (NOTE [ Inner regions alone ]): all of a
+    level's nested units or none."""
+    names = [b.name for b in menus.blocks]
+    out: list[_Best] = []
+    for k, (mix, choice, peak) in enumerate(plans, start=1):
+        below = out[-1][0] if out else {}
+        swap = [
+            n
+            for n in names
+            if mix.get(n) == "nested" and n in inner and _allowed(below.get(n, "keep"), "inner")
+        ]
+        if swap:
+            trial = {**mix, **dict.fromkeys(swap, "inner")}
+            measured = measure(k, [*(p for p, _, _ in out), trial])
+            if measured <= peak:
+                options = tuple(
+                    inner[n] if n in swap else o for n, o in zip(names, choice.options, strict=True)
+                )
+                before = predict(menus.blocks, choice.options, menus.base)
+                after = predict(menus.blocks, options, menus.base)
+                choice = replace(
+                    choice,
+                    options=options,
+                    peak=choice.peak + after[0] - before[0],
+                    time=choice.time + after[1] - before[1],
+                )
+                mix, peak = trial, measured
+        out.append((mix, choice, peak))
+    return out
 
 
 def _anchors(work: Workload, regions: Regions, target: int) -> dict[int, int]:
@@ -1292,10 +1443,59 @@ def _lowest(
     return min(peaks)
 
 
+# a unit recomputed whole, or its inner regions (NOTE [ Inner regions alone ]): a group over
+# such units recomputes their forward as nested ones would
+_RECOMPUTED = ("full", "nested", "inner")
+
+
 def _stacks(regions: Regions, plan: dict[str, str]) -> list[Span]:
     """The stacks that may run as groups under ``plan``: those whose blocks it recomputes whole
-    (over kept or selective blocks a group would cost the stack's whole forward again)."""
-    return [g for g in regions.groups if all(plan.get(m) in ("full", "nested") for m in g.members)]
+    or by their inner regions (over kept or selective blocks a group would cost the stack's
+    whole forward again)."""
+    return [g for g in regions.groups if all(plan.get(m) in _RECOMPUTED for m in g.members)]
+
+
+# NOTE [ Runs of units ]
+#
+# Consecutive units can be, one after another, a run of the trace: the pieces a long run of
+# sibling calls is cut into (one layer with weights each, NOTE [ Regions from a trace ]), or
+# modules that are units of their own because the run through them was not chosen (MONAI
+# VNet's input transition and first down-transition: the runs inside the second were longer).
+# Where a level recomputes two or more such units, each region keeps its own input, the
+# output of the unit before it. The same units as one run keep only the first one's input,
+# for no more work (each member runs once more, as before; a member's inner regions, nested
+# or alone, are checkpointed again inside the run); the run's backward then holds all their
+# activations at once, which is why the units stay the default and the run is tried as
+# an addition, from the top down and from level 4 (a run of units is a large module), kept
+# where it lowers the measured peak by _EXTRA_GAIN. VNet: the input transition's output is the
+# last up-transition's skip, kept as the first down-transition's input until that
+# up-transition's backward, when the step peaks; as one run the two keep the input volume
+# instead (1637 to 1509 MiB at batch 8 of 64^3, with the up-transition's inner regions alone:
+# NOTE [ Inner regions alone ]).
+#
+# A member's own full region from the run's level on is left out (the run takes over a later
+# member's rungs from its level, NOTE [ Runs take over ] in apply, and the first member's
+# region and the run's, at one level, would be two rungs of one module where one decides).
+
+
+def _merged_runs(regions: Regions, plan: dict[str, str]) -> list[Span]:
+    """The runs of two or more consecutive units of one traced run that ``plan`` recomputes
+    (whole or by their inner regions, which then nest in the run; a lean MLP runs alone), each
+    as one run span (NOTE [ Runs of units ])."""
+    lean = {s.name for s in regions.lean}
+    out: list[Span] = []
+    for chain in regions.chains:
+        taken: list[Span] = []
+        for unit in [*chain, None]:
+            if unit is not None and plan.get(unit.name) in _RECOMPUTED and unit.name not in lean:
+                taken.append(unit)
+                continue
+            if len(taken) >= 2:
+                members = tuple(m for u in taken for m in u.members)
+                last = members[-1].rpartition(".")[2]
+                out.append(Span("run", taken[0].name, members, taken[0].order, through=last))
+            taken = []
+    return out
 
 
 def _lean_first(
