@@ -91,7 +91,11 @@ NOTES: dict[str, str] = {
     "swin_tiny_patch4_window7_224`, 2026-11-26): the same plans and peaks. After the "
     "derivation offered products cheap to redo (2026-11-27), the three models whose plans "
     "changed (ConvNeXt-T, EfficientNet-B0, Swin-T) ran again, five rounds in one process "
-    "beside other benchmarks; the other three derive the plans they derived before.",
+    "beside other benchmarks; the other three derive the plans they derived before. Since a "
+    "nested unit may run its inner regions alone (9882cfb), ResNet-50's levels 4 and 5 run "
+    "`layer4.2` so, and ViT-S's levels 4 and 5 `blocks.11`: the same peaks for 1.70x and 1.93x "
+    "(ResNet-50) and 1.73x and 1.81x (ViT-S) modelled where they cost 1.71x, 1.95x, 1.76x and "
+    "1.84x; their D4 and D5 rows here are of the plans before, not measured again.",
     "derive_nopreset_b32": "Written by `python benchmarks/bench_derive.py --threads 1 --reps 5 "
     "--out ... --models "
     "efficientvit_b0 fastvit_t8 'hf:PoolFormerForImageClassification(PoolFormerConfig())' "
@@ -121,7 +125,9 @@ NOTES: dict[str, str] = {
     "alone, one after the other (their plans changed), and `x_floor` of every row against "
     "the floor measured at the batch (`floor_b32`). MAnet again (eleven rounds, beside "
     "another benchmark) after its written preset stopped running levels 2-4 without its held "
-    "decoder stages (NOTE [ One rung per way ]; same plans, now as measured). "
+    "decoder stages (NOTE [ One rung per way ]; same plans, now as measured). VNet again "
+    "(five rounds, beside a smoke run) after a nested unit could run its inner regions alone "
+    "(9882cfb): its top runs its last up-transition's halves so. "
     "Models no preset knows: "
     "derived levels (D) beside the structural fallback's top level (F) and the library's own "
     "switch where it has one, real steps; see [derive.md](derive.md).",
@@ -160,7 +166,9 @@ NOTES: dict[str, str] = {
     "`code` is the commit the library was at: 63d2852 before a block's container was looked "
     "through and before a span could no longer begin with an in-place write (its MNASNet run "
     "failed in backward), then after both (see [derive.md](derive.md#models-of-other-"
-    "libraries)). The two runs are one file, rows merged.",
+    "libraries)). The two runs are one file, rows merged. Derived again at 9882cfb (a nested "
+    "unit's inner regions alone, a traced run's units as one run): the same peaks at every "
+    "level of all eight; torchvision ConvNeXt-T's level 4 costs 1.37x modelled where 1.38x.",
     "derive_untuned_clock": "One row of `derive_untuned` on the clock: MONAI SegResNet's top "
     "level derived at 63d2852 (`benchmarks/plans/segresnet_63d2852_top.yaml`, level 5) and "
     "its top derived after a block's container was looked through (`segresnet_l3.yaml`, "
