@@ -801,7 +801,9 @@ def _emit(
             if not (
                 r.match in members
                 and r.level >= runs_from
-                and r.way[:4] == ("region", None, False, None)
+                and not (r.lean or r.offload)
+                and r.keep is None
+                and r.segments is None
             )
         ]
         rules += [_rule(r, runs_from) for r in runs]
