@@ -180,7 +180,11 @@ NOTES: dict[str, str] = {
     "`benchmarks/derive_smoke.py` at a729e23 at sizes where memory matters (the `input` and "
     "`batch` columns), one process per library group, one thread: each level's peak and "
     "modelled time against level 0, or the level whose plan it runs, every level checked bit "
-    "for bit against the plain model (see [derive.md](derive.md#models-of-other-libraries)).",
+    "for bit against the plain model (see [derive.md](derive.md#models-of-other-libraries)). "
+    "Derived again at 9882cfb (a nested unit's inner regions alone, a traced run's units as "
+    "one run): the same peaks at every level of twenty; UNETR's and VGG-11's rows are that "
+    "run's (`code`): UNETR's decoder blocks' inner regions alone give it a level 5, and "
+    "VGG-11's level 1 holds the same peak for 1.26x modelled where it cost 1.55x.",
     "price_calibration": "The modelled price's rates measured per model and pooled (NOTE [ A "
     "modelled price ] in `vision_ckpt._price`): one thread, batch 32, every operator of three "
     "training steps per model timed.",
