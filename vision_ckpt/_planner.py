@@ -779,19 +779,19 @@ def _block_menus(
             if s in menu:
                 k = nbytes(kept[s][n])
                 options.append(Option(s, k, max(0, keep_bytes - k), seconds(spent[s][n])))
-        if "nested" in menu and setup.inner_of[n]:
-            k = nbytes(kept["full"][n])
+        if {"nested", "inner"} & set(menu) and setup.inner_of[n]:
             held = nbytes(kept["inner"][n])
-            # while recomputed: the inner-checkpointed forward's bytes (its input is already in
-            # k), then one inner region's activations during that region's own backward
+            # one inner region's activations, back during that region's own backward
             share = max(0, keep_bytes - held) // len(setup.inner_of[n])
-            options.append(
-                Option("nested", k, max(0, held - k) + share, seconds(spent["nested"][n]))
-            )
-        if "inner" in menu and setup.inner_of[n]:  # NOTE [ Inner regions alone ] in derive
-            held = nbytes(kept["inner"][n])
-            share = max(0, keep_bytes - held) // len(setup.inner_of[n])
-            options.append(Option("inner", held, share, seconds(spent["inner"][n])))
+            if "nested" in menu:
+                # while recomputed: the inner-checkpointed forward's bytes (its input is
+                # already in k), then that share
+                k = nbytes(kept["full"][n])
+                options.append(
+                    Option("nested", k, max(0, held - k) + share, seconds(spent["nested"][n]))
+                )
+            if "inner" in menu:  # NOTE [ Inner regions alone ] in derive
+                options.append(Option("inner", held, share, seconds(spent["inner"][n])))
         blocks.append(Block(n, tuple(options)))
         table.append(
             {
