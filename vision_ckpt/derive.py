@@ -111,6 +111,12 @@ def _range(model: nn.Module, run: Span) -> tuple[str, ...]:
     return tuple(run_members(model, run.members[0], run.through, "the derivation"))
 
 
+def _run_span(members: tuple[str, ...], order: int) -> Span:
+    """The run of sibling calls ``members`` as a span (its ``through``: the last member's name
+    in its parent)."""
+    return Span("run", members[0], members, order, through=members[-1].rpartition(".")[2])
+
+
 def _cut(model: nn.Module, run: Span, lean: set[str]) -> list[Span]:
     """``run`` cut before each member with a kernel or a weight matrix but the first, and around
     a lean MLP (which then runs lean in a region of its own: a run would call its forward)."""
@@ -127,7 +133,7 @@ def _cut(model: nn.Module, run: Span, lean: set[str]) -> list[Span]:
         if len(part) == 1:
             out.append(Span("module", part[0], part, run.order))
         else:
-            out.append(Span("run", part[0], part, run.order, through=part[-1].rpartition(".")[2]))
+            out.append(_run_span(part, run.order))
     return out
 
 
@@ -1494,8 +1500,7 @@ def _merged_runs(regions: Regions, plan: dict[str, str]) -> list[Span]:
                 continue
             if len(taken) >= 2:
                 members = tuple(m for u in taken for m in u.members)
-                last = members[-1].rpartition(".")[2]
-                out.append(Span("run", taken[0].name, members, taken[0].order, through=last))
+                out.append(_run_span(members, taken[0].order))
             taken = []
     return out
 
