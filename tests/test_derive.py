@@ -868,6 +868,53 @@ def test_a_skip_is_dropped_by_inner_regions_alone_and_a_run_of_units(
     _every_level_is_exact(model, found, assert_exact, exact_step)
 
 
+class _TwoChains(_SkipNet):
+    """_SkipNet with two layers after the up-transition, called one after the other: a second
+    run of units (the up-transition and the two layers) beside the encoder's."""
+
+    def __init__(self, w: int = 8) -> None:
+        super().__init__(w)
+        self.t1 = _Layer(2 * w, 2 * w, 3)
+        self.t2 = _Layer(2 * w, 2 * w, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.inp(x)
+        return self.head(self.t2(self.t1(self.up(self.mid(self.down(skip)), skip))))
+
+
+def test_each_run_of_units_is_kept_or_dropped_on_its_own(
+    monkeypatch, assert_exact, exact_step
+) -> None:
+    # NOTE [ Runs of units ]: MONAI VNet's encoder run lowered its level 4 by 9%, its decoder
+    # run raised level 5 by 4%, and tried together neither was kept. Here the measured peaks
+    # say the same of the two runs of _TwoChains: the encoder's is kept, the other is not
+    import vision_ckpt.derive as derive
+
+    torch.manual_seed(0)
+    model = _TwoChains()
+    regions = regions_of(model, torch.randn(2, 3, 32, 32))
+    assert [[u.label for u in chain] for chain in regions.chains] == [
+        ["inp", "down"],
+        ["up", "t1", "t2"],
+    ]
+    measured = derive._measured_peak
+
+    def peak(work, config, level, target):  # type: ignore[no-untyped-def]
+        runs = {r.through for r in config.rules if r.level <= level}
+        factor = (0.9 if "down" in runs else 1.0) * (1.2 if "t2" in runs else 1.0)
+        return int(measured(work, config, level, target) * factor)
+
+    monkeypatch.setattr(derive, "_measured_peak", peak)
+    found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
+    kept = [(lv.level, lv.runs) for lv in found.levels if lv.runs]
+    assert kept and all(runs == ("inp..down",) for _, runs in kept), kept
+    assert kept[0][0] >= 4
+    assert {r.through for r in found.rules} >= {"down"} and "t2" not in {
+        r.through for r in found.rules
+    }
+    _every_level_is_exact(model, found, assert_exact, exact_step)
+
+
 def test_least_memory_takes_a_stages_leanest_way() -> None:
     # two ways over the same blocks: the one that keeps fewer bytes is the least memory, in
     # whatever order the menus list them

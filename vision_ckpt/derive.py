@@ -756,8 +756,7 @@ def _emit(
     groups: Sequence[Span] = (),
     whole_from: int | None = None,
     fallback: Sequence[LevelRule] = (),
-    runs_from: int | None = None,
-    runs: Sequence[Span] = (),
+    runs: Sequence[tuple[Span, int]] = (),
 ) -> list[LevelRule]:
     """Rules that run ``per_level[k - 1]`` at training level k (NOTE [ Five levels from one
     menu ]): per unit a selective rung, one redoing its cheap products, a full rung and its
@@ -798,8 +797,8 @@ def _emit(
             rules += [_rule(spans[n], inside) for n in menus.inner_of[block.name]]
     if groups_from is not None:
         rules += [_rule(g, groups_from, segments="auto") for g in groups]
-    if runs_from is not None and runs:  # NOTE [ Runs of units ]
-        members = {exact_name_pattern(m) for r in runs for m in r.members}
+    for run, runs_from in runs:  # NOTE [ Runs of units ]
+        members = {exact_name_pattern(m) for m in run.members}
         # a member's own full region from the run's level on would run nowhere
         rules = [
             r
@@ -812,7 +811,7 @@ def _emit(
                 and r.segments is None
             )
         ]
-        rules += [_rule(r, runs_from) for r in runs]
+        rules.append(_rule(run, runs_from))
     if whole_from is not None:
         rules += [_rule(s, whole_from) for s in regions.stages]
     if fallback:  # first, so that the derived rules win where both set a module's way
@@ -1194,19 +1193,23 @@ class _Additions:
     """The stacks that may run as groups: those whose blocks the top level recomputes whole."""
     merged: list[Span] = field(default_factory=list)
     """The runs of units the top level recomputes whole, each as one run (NOTE [ Runs of
-    units ])."""
+    units ]): the candidates, each tried on its own."""
     groups: int | None = None
     lean: int | None = None
     whole: int | None = None
     fallback: int | None = None
-    runs: int | None = None
+    runs: dict[str, int] = field(default_factory=dict)
+    """A kept run of units (its label) -> the level it runs from."""
+
+    def kept_runs(self) -> list[tuple[Span, int]]:
+        return [(r, self.runs[r.label]) for r in self.merged if r.label in self.runs]
 
     def rules(
         self, model: nn.Module, regions: Regions, menus: Menus, per_level: Sequence[dict[str, str]]
     ) -> list[LevelRule]:
         extra = _fallback_at(model, self.fallback) if self.fallback is not None else []
         if extra:  # a later member of a derived run is recomputed with its run, not alone
-            runs = [*regions.named().values(), *(self.merged if self.runs is not None else ())]
+            runs = [*regions.named().values(), *(r for r, _ in self.kept_runs())]
             inside = {
                 exact_name_pattern(m)
                 for span in runs
@@ -1223,8 +1226,7 @@ class _Additions:
             self.stacks,
             self.whole,
             extra,
-            self.runs,
-            self.merged,
+            self.kept_runs(),
         )
 
 
@@ -1260,16 +1262,29 @@ def _try_additions(
             per_level[k - 1].get(m) in _RECOMPUTED for g in found.stacks for m in g.members
         )
 
-    def runs_at(k: int) -> bool:  # a run of units is a large module: level 4 and up
-        return k >= _STAGE_LEVEL and _merged_runs(regions, per_level[k - 1]) == found.merged
+    def run_from(run: Span) -> Callable[[int], CheckpointConfig]:
+        """The plan with the runs kept so far and ``run`` from level k on."""
+
+        def config_from(k: int) -> CheckpointConfig:
+            trial = replace(found, runs={**found.runs, run.label: k})
+            return CheckpointConfig(
+                preset=None, rules=trial.rules(work.model, regions, menus, per_level)
+            )
+
+        return config_from
+
+    def runs_at(run: Span) -> Callable[[int], bool]:  # a large module: level 4 and up
+        return lambda k: k >= _STAGE_LEVEL and run in _merged_runs(regions, per_level[k - 1])
 
     def only_top(k: int) -> bool:
         return k == len(levels)
 
     if found.stacks:
         found.groups = _from_top(work, levels, target, config_with("groups"), whole_at)
-    if found.merged:
-        found.runs = _from_top(work, levels, target, config_with("runs"), runs_at)
+    for run in found.merged:  # each on its own: one may lower the peak, the next raise it
+        start = _from_top(work, levels, target, run_from(run), runs_at(run))
+        if start is not None:
+            found.runs[run.label] = start
     if regions.stages:
         found.whole = _from_top(work, levels, target, config_with("whole"), only_top, _STEP)
     if _fallback_at(work.model, len(levels)):  # _from_top drops it where it does not combine
@@ -1281,16 +1296,21 @@ def _account(levels: list[DerivedLevel], found: _Additions, regions: Regions, me
     """After marking: each addition from the first level that runs its own plan, and the
     forward each adds that the program did not price (a group, a whole stage or the
     fallback's trunk runs its blocks' forwards once more; a run of units none)."""
-    for name in ("groups", "lean", "whole", "fallback", "runs"):
+    for name in ("groups", "lean", "whole", "fallback"):
         setattr(found, name, _first_unmarked(levels, getattr(found, name)))
+    found.runs = {
+        label: start
+        for label, start in ((k, _first_unmarked(levels, v)) for k, v in found.runs.items())
+        if start is not None
+    }
     every = [b.name for b in menus.blocks]
     for lv in levels:
         if lv.same_as is not None:
             continue
         if found.lean is not None and lv.level >= found.lean:
             lv.lean = tuple(s.name for s in regions.lean)
-        if found.runs is not None and lv.level >= found.runs:
-            lv.runs = tuple(r.label for r in found.merged)
+        if any(lv.level >= k for k in found.runs.values()):
+            lv.runs = tuple(r.label for r, k in found.kept_runs() if lv.level >= k)
         if found.groups is not None and lv.level >= found.groups:
             grouped = [m for g in found.stacks for m in g.members]
             lv.predicted_time += _forward_seconds(menus, grouped)
@@ -1475,7 +1495,10 @@ def _stacks(regions: Regions, plan: dict[str, str]) -> list[Span]:
 # or alone, are checkpointed again inside the run); the run's backward then holds all their
 # activations at once, which is why the units stay the default and the run is tried as
 # an addition, from the top down and from level 4 (a run of units is a large module), kept
-# where it lowers the measured peak by _EXTRA_GAIN. VNet: the input transition's output is the
+# where it lowers the measured peak by _EXTRA_GAIN. Each run is tried on its own, on top of
+# the runs kept before it: one run can lower the peak where the next raises it (VNet's
+# encoder run took its level 4 from 1.78 to 1.62 GiB, its decoder run raised level 5 by 4%,
+# and the two tried together were both dropped). VNet: the input transition's output is the
 # last up-transition's skip, kept as the first down-transition's input until that
 # up-transition's backward, when the step peaks; as one run the two keep the input volume
 # instead (1637 to 1509 MiB at batch 8 of 64^3, with the up-transition's inner regions alone:
