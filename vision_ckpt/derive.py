@@ -1202,6 +1202,7 @@ class _Additions:
     """A kept run of units (its label) -> the level it runs from."""
 
     def kept_runs(self) -> list[tuple[Span, int]]:
+        """Each kept run of units with the level it runs from, in the trace's order."""
         return [(r, self.runs[r.label]) for r in self.merged if r.label in self.runs]
 
     def rules(
