@@ -1247,32 +1247,25 @@ def _try_additions(
         _stacks(regions, per_level[-1]), _merged_runs(regions, per_level[-1]), lean=lean
     )
 
-    def config_with(addition: str) -> Callable[[int], CheckpointConfig]:
-        """The plan with what was kept so far and ``addition`` from level k on."""
+    def config_with(change: Callable[[int], dict[str, Any]]) -> Callable[[int], CheckpointConfig]:
+        """The plan with what was kept so far and ``change(k)`` (fields of ``found``) from
+        level k on."""
 
         def config_from(k: int) -> CheckpointConfig:
-            trial = replace(found, **{addition: k})
+            trial = replace(found, **change(k))
             return CheckpointConfig(
                 preset=None, rules=trial.rules(work.model, regions, menus, per_level)
             )
 
         return config_from
+
+    def run_from(run: Span) -> Callable[[int], dict[str, Any]]:  # on top of the runs kept
+        return lambda k: {"runs": {**found.runs, run.label: k}}
 
     def whole_at(k: int) -> bool:  # a group of blocks is a large module: level 4 and up
         return k >= _STAGE_LEVEL and all(
             per_level[k - 1].get(m) in _RECOMPUTED for g in found.stacks for m in g.members
         )
-
-    def run_from(run: Span) -> Callable[[int], CheckpointConfig]:
-        """The plan with the runs kept so far and ``run`` from level k on."""
-
-        def config_from(k: int) -> CheckpointConfig:
-            trial = replace(found, runs={**found.runs, run.label: k})
-            return CheckpointConfig(
-                preset=None, rules=trial.rules(work.model, regions, menus, per_level)
-            )
-
-        return config_from
 
     def runs_at(run: Span) -> Callable[[int], bool]:  # a large module: level 4 and up
         return lambda k: k >= _STAGE_LEVEL and run in _merged_runs(regions, per_level[k - 1])
@@ -1281,15 +1274,21 @@ def _try_additions(
         return k == len(levels)
 
     if found.stacks:
-        found.groups = _from_top(work, levels, target, config_with("groups"), whole_at)
+        found.groups = _from_top(
+            work, levels, target, config_with(lambda k: {"groups": k}), whole_at
+        )
     for run in found.merged:  # each on its own: one may lower the peak, the next raise it
-        start = _from_top(work, levels, target, run_from(run), runs_at(run))
+        start = _from_top(work, levels, target, config_with(run_from(run)), runs_at(run))
         if start is not None:
             found.runs[run.label] = start
     if regions.stages:
-        found.whole = _from_top(work, levels, target, config_with("whole"), only_top, _STEP)
+        found.whole = _from_top(
+            work, levels, target, config_with(lambda k: {"whole": k}), only_top, _STEP
+        )
     if _fallback_at(work.model, len(levels)):  # _from_top drops it where it does not combine
-        found.fallback = _from_top(work, levels, target, config_with("fallback"), only_top, _STEP)
+        found.fallback = _from_top(
+            work, levels, target, config_with(lambda k: {"fallback": k}), only_top, _STEP
+        )
     return found
 
 
