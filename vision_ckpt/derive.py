@@ -1298,19 +1298,15 @@ def _account(levels: list[DerivedLevel], found: _Additions, regions: Regions, me
     fallback's trunk runs its blocks' forwards once more; a run of units none)."""
     for name in ("groups", "lean", "whole", "fallback"):
         setattr(found, name, _first_unmarked(levels, getattr(found, name)))
-    found.runs = {
-        label: start
-        for label, start in ((k, _first_unmarked(levels, v)) for k, v in found.runs.items())
-        if start is not None
-    }
+    starts = {label: _first_unmarked(levels, k) for label, k in found.runs.items()}
+    found.runs = {label: k for label, k in starts.items() if k is not None}
     every = [b.name for b in menus.blocks]
     for lv in levels:
         if lv.same_as is not None:
             continue
         if found.lean is not None and lv.level >= found.lean:
             lv.lean = tuple(s.name for s in regions.lean)
-        if any(lv.level >= k for k in found.runs.values()):
-            lv.runs = tuple(r.label for r, k in found.kept_runs() if lv.level >= k)
+        lv.runs = tuple(r.label for r, k in found.kept_runs() if lv.level >= k)
         if found.groups is not None and lv.level >= found.groups:
             grouped = [m for g in found.stacks for m in g.members]
             lv.predicted_time += _forward_seconds(menus, grouped)
