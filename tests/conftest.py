@@ -15,6 +15,9 @@
 - ``core_calls``: a list that records every call of the core's ``checkpoint`` during the test
   (the wrapper and ``apply`` reach the core through the module attribute, so this sees them).
 - every test starts and ends at global training level 0.
+- the markers ``needs_fsdp2_cpu`` and ``needs_fake_cuda`` skip a test on a torch that lacks
+  the feature (FSDP2's collectives on CPU streams; faking CUDA tensors without a driver): the
+  floor run of ``.ci/run`` meets such a torch.
 
 Torch runs on one thread here: see the repository's top-level ``conftest.py``.
 """
@@ -28,6 +31,38 @@ from typing import Any
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _fake_cuda_works() -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = torch.nn.Linear(2, 2)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            layer.to("cuda")(torch.empty(1, 2, device="cuda"))
+    except (RuntimeError, AssertionError):
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    lacks = {
+        "needs_fsdp2_cpu": lambda: not hasattr(torch.Stream, "record_event"),
+        "needs_fake_cuda": lambda: not _fake_cuda_works(),
+    }
+    why = {
+        "needs_fsdp2_cpu": f"FSDP2 on CPU needs a newer torch than {torch.__version__}",
+        "needs_fake_cuda": f"torch {torch.__version__} cannot fake CUDA without a driver",
+    }
+    known: dict[str, bool] = {}
+    for item in items:
+        for marker, missing in lacks.items():
+            if item.get_closest_marker(marker) is None:
+                continue
+            if marker not in known:
+                known[marker] = missing()
+            if known[marker]:
+                item.add_marker(pytest.mark.skip(reason=why[marker]))
 
 
 def _assert_exact(actual: Any, expected: Any, where: str = "value") -> None:

@@ -25,6 +25,7 @@ import vision_ckpt
 from vision_ckpt import (
     CheckpointError,
     VisionCkptError,
+    _compat,
     checkpoint,
     checkpoint_sequential,
     is_recomputing,
@@ -116,7 +117,7 @@ def leaf(*shape: int) -> torch.Tensor:
 
 
 def assert_no_saved_tensors_hooks() -> None:
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert _compat.top_pack_hook() is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +328,7 @@ def test_ambient_no_grad_just_calls_fn(assert_exact, grad_off):
     calls = []
 
     def region(x):
-        calls.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+        calls.append(_compat.top_pack_hook())
         return x.sin() * 2
 
     x = leaf(3, 3)

@@ -293,6 +293,7 @@ def _optimizer_with_state(model: torch.nn.Module) -> torch.optim.Optimizer:
     return opt
 
 
+@pytest.mark.needs_fake_cuda
 def test_model_restored_keeps_its_copy_on_the_host() -> None:
     """Under FakeTensorMode the model's weights and the optimizer's state live on "cuda"; the
     snapshot that ``model_restored`` keeps must not (it would count in every device peak)."""

@@ -59,6 +59,14 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+def _cases(names: list[str]) -> list[Any]:
+    """The case names as parameters, FSDP2's marked ``needs_fsdp2_cpu``."""
+    return [
+        pytest.param(n, marks=pytest.mark.needs_fsdp2_cpu) if n.startswith("fsdp") else n
+        for n in names
+    ]
+
+
 # --------------------------------------------------------------------------------------------
 # The training both the workers and the reference run
 # --------------------------------------------------------------------------------------------
@@ -216,7 +224,7 @@ def _result(outdir: Path, name: str) -> dict[str, torch.Tensor]:
     return torch.load(outdir / f"{name}.pt")
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", _cases(list(CASES)))
 def test_two_processes_match_one_process_on_the_whole_batch(
     name: str, worker_results: Path, reference: dict[str, torch.Tensor]
 ) -> None:
@@ -229,7 +237,7 @@ def test_two_processes_match_one_process_on_the_whole_batch(
     assert not torch.equal(state["head.weight"], make_model(0).head.weight.detach())
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if not n.endswith("level0")])
+@pytest.mark.parametrize("name", _cases([n for n in CASES if not n.endswith("level0")]))
 def test_checkpointing_is_exact_under_the_same_wrapper(
     name: str, worker_results: Path, assert_exact
 ) -> None:
@@ -259,6 +267,7 @@ def group_of_one():
         dist.destroy_process_group()
 
 
+@pytest.mark.needs_fsdp2_cpu
 def test_a_plan_made_before_fully_shard_does_not_fit_after_it(group_of_one) -> None:
     """The order the examples document: apply first, then shard. The other way round,
     fully_shard has renamed the classes (TinyViT -> FSDPTinyViT), so a plan made before no
@@ -277,6 +286,7 @@ def test_a_plan_made_before_fully_shard_does_not_fit_after_it(group_of_one) -> N
         vision_ckpt.apply(model, cfg)  # the match_type: TinyViT rule
 
 
+@pytest.mark.needs_fsdp2_cpu
 def test_apply_then_fully_shard_keeps_the_checkpointed_forward(group_of_one, core_calls) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -289,6 +299,7 @@ def test_apply_then_fully_shard_keeps_the_checkpointed_forward(group_of_one, cor
     assert core_calls, "fully_shard dropped the forward installed by vision_ckpt.apply"
 
 
+@pytest.mark.needs_fsdp2_cpu
 def test_track_peak_memory_follows_fsdp2_parameters(group_of_one) -> None:
     from torch.distributed.fsdp import fully_shard
 

@@ -178,7 +178,9 @@ def no_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "extra", [[], ["--static-graph"], ["--fsdp"]], ids=["ddp", "static", "fsdp"]
+    "extra",
+    [[], ["--static-graph"], pytest.param(["--fsdp"], marks=pytest.mark.needs_fsdp2_cpu)],
+    ids=["ddp", "static", "fsdp"],
 )
 def test_train_ddp_as_a_group_of_one(extra: list[str], no_torchrun_env) -> None:
     history = train_ddp.main(["--config", VIT, "--steps", "2", *extra])

@@ -31,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import vision_ckpt
 from vision_ckpt._selective import HEAVY_OPS, SaveOps
 
+pytestmark = pytest.mark.needs_fake_cuda
+
 # Fused attention on CPU / a GPU, and what SDPA's math path (fake CUDA) multiplies with.
 ATTENTION = {
     "aten._scaled_dot_product_flash_attention_for_cpu",

@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vision_ckpt"
 # Lower layers first; a module may import only modules of lower layers. (__init__ is the
 # package's face and may import anything; it is not in the table.)
 LAYERS: list[set[str]] = [
-    {"errors", "_version", "_torch_floor"},
+    {"errors", "_version", "_torch_floor", "_compat"},  # _compat: torch only
     {"levels", "matching", "_memory", "_optimise", "models"},  # levels, matching, models ->
     # errors; _optimise: none
     {"_core", "_lean", "config"},  # _core -> errors; _lean: torch only; config -> errors, levels,

@@ -19,7 +19,7 @@ from timm.models.metaformer import StarReLU
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt import CheckpointError, ConfigError
+from vision_ckpt import CheckpointError, ConfigError, _compat
 from vision_ckpt._memory import track_peak_memory
 
 LEAN = {"match": "blocks.*.mlp", "level": 1, "lean": True}
@@ -638,7 +638,10 @@ def test_an_mlp_of_any_class_compiles_lean_and_exact(assert_exact, exact_step):
     got["buffers"] = {k.removeprefix("_orig_mod."): v for k, v in got["buffers"].items()}
     assert_exact(got, exact_step(plain, x), "compiled")
     code = "".join(g.print_readable(print_output=False) for g in graphs)
-    assert len(re.findall(r"autograd_function_apply\(", code)) == 1
+    # torch 2.6's dynamo cannot trace the probe's read of a version counter: the Function
+    # runs between graphs there, exact all the same (docs/torch.md)
+    captured = 1 if _compat.TORCH_VERSION >= (2, 14) else 0
+    assert len(re.findall(r"autograd_function_apply\(", code)) == captured
 
 
 def test_monai_unetr_mlp_blocks_are_lean_and_exact(assert_exact, exact_step):

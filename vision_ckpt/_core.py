@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as _torch_ckpt
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import _compat
+from ._compat import disable_current_modes, tree_flatten, tree_unflatten
 from .errors import CheckpointError, internal_assert
 
 __all__ = [
@@ -44,15 +44,12 @@ __all__ = [
     "CheckpointError",
 ]
 
-try:  # torch >= 2.12 exposes a way to create a standalone SavedVariable.
-    from torch._C._autograd import _make_saved_tensor
-except ImportError:  # pragma: no cover - exercised only on older torch
-    _make_saved_tensor = None
-
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_graph_task_id = torch._C._current_graph_task_id
-_get_exec_group = getattr(torch._C, "_get_graph_exec_group", None)
+_make_saved_tensor = _compat.make_saved_tensor
+_push_hooks = _compat.push_saved_tensors_hooks
+_pop_hooks = _compat.pop_saved_tensors_hooks
+_graph_task_id = _compat.graph_task_id
+_user_saved_tensors_hooks = _compat.user_saved_tensors_hooks
+_top_pack_hook = _compat.top_pack_hook
 _NormBase = torch.nn.modules.batchnorm._NormBase
 
 _DETERMINISM_CHECKS = ("default", "none")
@@ -101,6 +98,8 @@ def region_depth() -> int:
 
     A recomputation starts from depth 1, as if no other region were active, so a decision
     taken from this number is the same in the original forward and in the recomputation.
+    While torch.compile traces, regions nested in a region are not counted: the depth only
+    tells whether some region runs.
     """
     return _state.region_depth
 
@@ -253,7 +252,7 @@ class _Frame:
 
 
 def _current_graph_id() -> Hashable:
-    group = _get_exec_group() if _get_exec_group is not None else None
+    group = _compat.graph_exec_group()
     if group is not None:
         # The group object itself, not id(group): an id can be reused once a group is freed,
         # and a frame that remembered it would skip the recomputation a new group needs.
@@ -404,68 +403,7 @@ def _capture_autocast(device_type: str) -> tuple[Any, ...] | None:
 # the table, so the float32 matmul precision is set before the TF32 flag it implies.
 
 
-def _setting_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...]:
-    C = torch._C
-    simple = (
-        ("_get_flash_sdp_enabled", "_set_sdp_use_flash"),
-        ("_get_mem_efficient_sdp_enabled", "_set_sdp_use_mem_efficient"),
-        ("_get_math_sdp_enabled", "_set_sdp_use_math"),
-        ("_get_cudnn_sdp_enabled", "_set_sdp_use_cudnn"),
-        ("_get_overrideable_sdp_enabled", "_set_sdp_use_overrideable"),
-        ("_get_fa3_sdp_enabled", "_set_sdp_use_fa3"),
-        ("_get_sdp_priority_order", "_set_sdp_priority_order"),
-        ("_get_math_sdp_allow_fp16_bf16_reduction", "_set_math_sdp_allow_fp16_bf16_reduction"),
-        (
-            "_get_deterministic_fill_uninitialized_memory",
-            "_set_deterministic_fill_uninitialized_memory",
-        ),
-        ("_get_float32_matmul_precision", "_set_float32_matmul_precision"),
-        ("_get_cublas_allow_tf32", "_set_cublas_allow_tf32"),
-        ("_get_cublas_allow_fp16_accumulation", "_set_cublas_allow_fp16_accumulation"),
-        (
-            "_get_cpu_allow_fp16_reduced_precision_reduction",
-            "_set_cpu_allow_fp16_reduced_precision_reduction",
-        ),
-        ("_get_cudnn_enabled", "_set_cudnn_enabled"),
-        ("_get_cudnn_benchmark", "_set_cudnn_benchmark"),
-        ("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
-        ("_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32"),
-        ("_get_mkldnn_deterministic", "_set_mkldnn_deterministic"),
-    )
-    pairs = (
-        (
-            "_get_cublas_allow_fp16_reduced_precision_reduction",
-            "_set_cublas_allow_fp16_reduced_precision_reduction",
-        ),
-        (
-            "_get_cublas_allow_bf16_reduced_precision_reduction",
-            "_set_cublas_allow_bf16_reduced_precision_reduction",
-        ),
-    )
-    table: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
-    for get, put in simple:
-        if hasattr(C, get) and hasattr(C, put):
-            table.append((getattr(C, get), getattr(C, put)))
-    if hasattr(C, "_get_deterministic_algorithms"):
-        table.append(
-            (
-                lambda: (
-                    C._get_deterministic_algorithms(),
-                    C._get_deterministic_algorithms_warn_only(),
-                ),
-                lambda value: C._set_deterministic_algorithms(value[0], warn_only=value[1]),
-            )
-        )
-    for get, put in pairs:  # (allow, allow_splitk) in torch 2.14; one bool before
-        if hasattr(C, get) and hasattr(C, put):
-            setter = getattr(C, put)
-            table.append(
-                (getattr(C, get), lambda v, s=setter: s(*v) if isinstance(v, tuple) else s(v))
-            )
-    return tuple(table)
-
-
-_SETTINGS = _setting_table()
+_SETTINGS = _compat.KERNEL_SETTINGS
 _UNREADABLE = object()
 
 
@@ -595,7 +533,7 @@ def _bn_pre_hook(module: torch.nn.Module, args: Any) -> None:
     if _state.recompute_depth and _has_running_stats(module):
         # The copies are bookkeeping, not part of the region: hide them from dispatch modes
         # (a selective-checkpoint mode would otherwise expect a matching op in the forward).
-        with _disable_current_modes():
+        with disable_current_modes():
             originals = _swap_in_copies(module)
         if originals is not None:
             _state.bn_stash.append((module, originals))
@@ -666,7 +604,7 @@ def _recompute(frame: _Frame, gid: Hashable) -> None:
         if stack is not None:
             for ctx in contexts:
                 stack.enter_context(ctx)
-        torch._C._set_grad_enabled(True)
+        _compat.set_grad_enabled(True)
         state.region_depth = 1  # see NOTE [ Nested checkpoints ]
         state.recompute_depth += 1
         pack._user_hooks = _user_saved_tensors_hooks()
@@ -680,7 +618,7 @@ def _recompute(frame: _Frame, gid: Hashable) -> None:
             del pack._user_hooks
             state.recompute_depth -= 1
             state.region_depth = outer_depth
-            torch._C._set_grad_enabled(grad_was_enabled)
+            _compat.set_grad_enabled(grad_was_enabled)
     finally:
         if stack is not None:
             stack.close()
@@ -773,15 +711,7 @@ def _region_name(frame: _Frame) -> str:
     return text
 
 
-def _user_saved_tensors_hooks() -> Any:
-    """The saved-tensor hooks a user installed below us, skipping checkpoint-internal hooks."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
-        hooks = getattr(hooks[0], "_user_hooks", None)
-    return hooks
-
-
-class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+class _OpLog(_compat.TorchDispatchMode):
     """Records every operator with its output shapes and the user code line that ran it."""
 
     def __init__(self) -> None:
@@ -944,6 +874,25 @@ class _Options:
     """Keep the CUDA inputs in pinned host memory (NOTE [ Offloaded inputs ])."""
 
 
+def traced_region_is_exact(function: Callable[..., Any], module: torch.nn.Module | None) -> bool:
+    """Whether torch's compiled checkpoint runs this region as eager would: not where this
+    torch updates BatchNorm statistics twice in it (``_compat.COMPILED_CHECKPOINT_KEEPS_
+    BATCHNORM``) and the region holds a BatchNorm in training mode."""
+    if _compat.COMPILED_CHECKPOINT_KEEPS_BATCHNORM:
+        return True
+    if module is None:
+        owner = function if isinstance(function, torch.nn.Module) else None
+        module = owner or getattr(function, "__self__", None)
+        if not isinstance(module, torch.nn.Module):
+            return False  # its modules are not known: assume the worst
+    return not any(m.training and _has_running_stats(m) for m in module.modules())
+
+
+checkpoint_region_between_graphs = torch.compiler.disable(checkpoint_region)
+"""``checkpoint_region`` run eagerly while torch.compile traces its caller (a graph break):
+for a region whose traced checkpoint would not be exact (:func:`traced_region_is_exact`)."""
+
+
 def _run(
     function: Callable[..., Any],
     args: tuple[Any, ...],
@@ -1018,10 +967,17 @@ def _run_traced(
     # The region counts as running, as in eager, so that regions inside it take the
     # nesting decisions they take in eager (wrapper's NOTE [ Nesting ]): the partitioner
     # recomputes the traced graph, never this code, so forward and recomputation agree.
+    # Only the outermost region writes the depth, outside every checkpoint operator: some
+    # releases' dynamo refuse a write inside the operator's body (wrapper's NOTE [ The
+    # training level under torch.compile ]), and a decision reads only whether it is zero.
     if options.context_fn is not None:
         kwargs["context_fn"] = options.context_fn
+    if "early_stop" in _compat.CHECKPOINT_OPTIONS:  # traced, the partitioner decides anyway
+        kwargs["early_stop"] = options.early_stop
     state = _state
-    state.region_depth += 1
+    outermost = state.region_depth == 0
+    if outermost:
+        state.region_depth = 1
     try:
         return _torch_ckpt.checkpoint(
             function,
@@ -1030,11 +986,11 @@ def _run_traced(
             preserve_rng_state=options.preserve_rng_state,
             determinism_check=options.determinism_check,
             debug=options.debug,
-            early_stop=options.early_stop,
             **kwargs,
         )
     finally:
-        state.region_depth -= 1
+        if outermost:
+            state.region_depth = 0
 
 
 def _check_options(options: _Options) -> None:
@@ -1177,7 +1133,7 @@ def _blank_frame(function: Callable[..., Any], label: str | None, check: bool) -
     frame.recompute_ctx = None
     frame.logs = None
     frame.same_as = None
-    frame.device_ctx = _default_device() if torch._C._len_torch_function_stack() else None
+    frame.device_ctx = _compat.default_device() if _compat.torch_function_modes_active() else None
     frame.settings = _capture_settings()  # beside the autocast state, which needs the device
     return frame
 
@@ -1240,8 +1196,7 @@ def _save_inputs(tensors: list[torch.Tensor]) -> list[Any]:
     return _save_with_function(tensors)
 
 
-def _proxy_tracing() -> bool:
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+_proxy_tracing = _compat.proxy_tracing
 
 
 def compiling() -> bool:
@@ -1254,17 +1209,7 @@ def compiling() -> bool:
     """
     if torch.compiler.is_compiling() or _proxy_tracing():
         return True
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None
-
-
-def _default_device() -> torch.device | None:
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
-    for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, DeviceContext):
-            return mode.device
-    return None
+    return _compat.functional_tracing()
 
 
 @contextlib.contextmanager
@@ -1422,11 +1367,6 @@ def checkpoint_sequential(
 #   4. the holders of the frame are exactly the tensors saved inside the calls made so far,
 #      so a run that stops early (the caller broke invariant 1) stays exact: it is simply a
 #      shorter region.
-
-
-def _top_pack_hook() -> Any:
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return None if hooks is None else hooks[0]
 
 
 class _Replay:

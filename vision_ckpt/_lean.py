@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _compat
 from .errors import CheckpointError
 
 __all__ = ["lean_mlp_problem", "lean_mlp_call_problem", "lean_mlp_forward"]
@@ -550,8 +551,7 @@ def _functorch_running() -> bool:
         # while dynamo traces, this query sees dynamo's own state, not a user's transform;
         # dynamo traces the autograd.Function's forward and backward itself
         return False
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None
+    return _compat.functorch_running()
 
 
 def _call_problem(

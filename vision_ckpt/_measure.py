@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from ._compat import tree_leaves
 from ._install import installed, reinstall
 from ._memory import count_saved_bytes, format_bytes, track_peak_memory
 from .apply import ConfigLike, apply as _apply_config, as_config

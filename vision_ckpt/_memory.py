@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+
+from . import _compat
+from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
 
 __all__ = [
     "SavedBytes",
@@ -205,7 +206,9 @@ def count_saved_bytes(
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    # pushed through _compat, so that the core sees them on every torch (NOTE [ Saved-tensor
+    # hooks seen on older torch ])
+    with _compat.saved_tensors_hooks(pack, unpack):
         yield result
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._compat import TorchDispatchMode
 from ._extrapolate import extrapolated_peak, peak_measurer, small_batches
 from ._measure import (
     FitCheck,

@@ -21,9 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from ._compat import TorchDispatchMode, tree_leaves
 from ._measure import Workload, run_step
 from ._selective import flops_per_output
 

@@ -27,10 +27,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from . import _core
+from . import _compat, _core
+from ._compat import TorchDispatchMode, tree_leaves
 from .config import KeepOps
 from .errors import ConfigError
 
@@ -173,7 +172,9 @@ class SaveOps:
         # What the selective cache keeps goes through the saved-tensor hooks around the region
         # (count_saved_bytes, save_on_cpu), as autograd's saved tensors do; the core's hooks
         # follow torch's protocol for finding them (NOTE [ Nested checkpoints ] in _core).
-        forward_ctx.respect_saved_tensors_hooks = True
+        # Older torch keeps them by reference only: NOTE [ Kept outputs on older torch ].
+        if _compat.SELECTIVE_KEEPS_HOOKS:
+            forward_ctx.respect_saved_tensors_hooks = True
         return _GuardWrites(forward_ctx), _ReportUnmet(recompute_ctx, self, region)
 
     def report_unmet(self, region: str) -> None:
@@ -271,6 +272,22 @@ class _GuardWrites:
 # exact, at the cost of one copy of each such (rare) output.
 
 
+# NOTE [ Kept outputs on older torch ]
+#
+# Torch 2.14's selective mode packs each output it keeps through the first saved-tensor hooks
+# below the region's own, as autograd packs what an operator saves: that is how
+# count_saved_bytes, and with it every menu and budget priced from it, sees what a selective
+# region keeps. Older releases keep those outputs by reference and never call a hook, which
+# priced a selective region as lean as a full one. There, the write guard below, which sees each
+# operator's outputs as soon as the cache holds them, hands every newly kept tensor to the pack
+# hook of those same hooks (found as on 2.14, through the checkpoint hooks' ``_user_hooks``) and
+# drops what it returns: the cache still holds the tensor itself, so a counting hook counts it
+# at the moment 2.14 would, and gradients are unchanged. Hooks that would move the tensor
+# (save_on_cpu) cannot take it over this way, and on releases that cannot see hooks pushed by
+# other code (NOTE [ Saved-tensor hooks seen on older torch ] in _compat) only vision_ckpt's
+# own counting hooks are found.
+
+
 class _KeepBeforeWrite(TorchDispatchMode):
     def __init__(self, caching_mode: Any) -> None:
         super().__init__()
@@ -288,7 +305,13 @@ class _KeepBeforeWrite(TorchDispatchMode):
                 alias = argument.alias_info
                 if alias is not None and alias.is_write and isinstance(value, torch.Tensor):
                     self._copy_kept(value)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not _compat.SELECTIVE_KEEPS_HOOKS:  # NOTE [ Kept outputs on older torch ]
+            hooks = _compat.user_saved_tensors_hooks()
+            for kept in self._index_new_entries():
+                if hooks is not None:
+                    hooks[0](kept)
+        return out
 
     def __exit__(self, *exc: Any) -> Any:
         # the index must not hold kept outputs past the forward: the recomputation frees each
@@ -297,9 +320,11 @@ class _KeepBeforeWrite(TorchDispatchMode):
         self._indexed.clear()
         return super().__exit__(*exc)
 
-    def _index_new_entries(self) -> None:
+    def _index_new_entries(self) -> list[torch.Tensor]:
         # Each operator's entries are filled in call order (a list, or a dict by call index
-        # 0, 1, ...), so those past the count already indexed are the new ones.
+        # 0, 1, ...), so those past the count already indexed are the new ones. Returns the
+        # tensors they hold.
+        added = []
         for key, entries in self.caching_mode.storage.items():
             start, end = self._indexed.get(key, 0), len(entries)
             if end == start:
@@ -317,6 +342,8 @@ class _KeepBeforeWrite(TorchDispatchMode):
                     # share pointer 0.
                     storage = value.untyped_storage()._cdata
                     self._by_storage.setdefault(storage, []).append(wrapper)
+                    added.append(value)
+        return added
 
     def _copy_kept(self, target: torch.Tensor) -> None:
         self._index_new_entries()
@@ -364,10 +391,29 @@ def _op_name(packet: Any) -> str:
 
 
 def bind_region(context_fn: Any, label: str) -> Any:
-    """A :class:`SaveOps` told which region it serves (for its warning); others unchanged."""
+    """A :class:`SaveOps` told which region it serves (for its warning); others unchanged.
+
+    Under torch.compile the result is a partial of a module-level function over constants
+    (the policy's names, its threshold and the label): that is the only ``context_fn`` every
+    supported release's dynamo can hand to the checkpoint operator (2.6 refuses a partial
+    over an object)."""
     if isinstance(context_fn, SaveOps):
+        if _core.compiling():
+            return functools.partial(
+                _traced_context,
+                context_fn.names,
+                context_fn.recompute_below,
+                context_fn.default,
+                label,
+            )
         return functools.partial(context_fn, label)
     return context_fn
+
+
+def _traced_context(
+    names: tuple[str, ...], recompute_below: int | None, default: bool, label: str
+) -> tuple[Any, Any]:
+    return SaveOps(names, recompute_below, default)(label)
 
 
 def _lookup_op(name: str) -> Any | None:

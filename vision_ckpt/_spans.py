@@ -64,8 +64,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from ._compat import tree_leaves
 from ._install import passable
 from ._lean import lean_mlp_call_problem
 from ._measure import model_restored

@@ -476,7 +476,8 @@ def output_loss(output: Any) -> Any:
 
 def _has_float(value: Any) -> bool:
     import torch
-    from torch.utils._pytree import tree_leaves
+
+    from ._compat import tree_leaves
 
     return any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_leaves(value))
 

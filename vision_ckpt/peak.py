@@ -81,9 +81,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
+from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
 from ._core import is_recomputing
 from ._measure import applied, default_loss, model_restored
 from ._memory import format_bytes

@@ -137,7 +137,7 @@ def get_training_level() -> Level:
     ...     get_training_level()
     <Level.SMALL_BLOCK: 2>
     """
-    level = _region.level
+    level = _innermost()[0]
     return _training_level if level is None else level
 
 
@@ -198,6 +198,90 @@ class _RunAtLevel:
             return self.fn(*args, **kwargs)
         finally:
             region.level, region.group = previous
+
+
+def _checkpoint(
+    region: _RunAtLevel, args: Sequence[Any], kwargs: dict[str, Any], options: dict[str, Any]
+) -> Any:
+    """``_core.checkpoint_region`` of ``region`` called on ``args`` and ``kwargs``, with the
+    core's ``options``. In eager the core is
+    given the region itself, which recomputation runs again; while torch.compile traces, the
+    bare function, with the region's state set around the call (NOTE [ The training level
+    under torch.compile ])."""
+    if not _core.compiling():
+        return _core.checkpoint_region(region, *args, **options, **kwargs)
+    if not _core.traced_region_is_exact(region.fn, options.get("module")):
+        compile_note(
+            "batchnorm-between-graphs",
+            f"torch {torch.__version__} updates BatchNorm running statistics twice in a "
+            "compiled checkpoint, so checkpointed regions that hold a BatchNorm in training "
+            "mode run eagerly between compiled graphs (graph breaks; statistics and gradients "
+            "exact). torch>=2.14 compiles them into the graph. (Shown once.)",
+        )
+        return _core.checkpoint_region_between_graphs(region, *args, **options, **kwargs)
+    if _core.region_depth() == 0:
+        _traced_reset()
+    _traced_push(int(region.level), region.group)
+    try:
+        return _core.checkpoint_region(region.fn, *args, **options, **kwargs)
+    finally:
+        _traced_pop()
+
+
+def _innermost() -> tuple[Level | None, bool]:
+    """The level and group of the innermost running region (``None`` and ``False`` outside
+    every region): while torch.compile traces, from the trace's own stack (NOTE [ The training
+    level under torch.compile ])."""
+    if _core.compiling():
+        top = _traced_top()
+        return (None, False) if top is None else (Level(top[0]), top[1])
+    return _region.level, _region.group
+
+
+class _TracedRegions(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[tuple[int, bool]] = []
+
+
+_traced = _TracedRegions()
+
+
+@torch.compiler.assume_constant_result
+def _traced_reset() -> bool:
+    _traced.stack.clear()
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _traced_push(level: int, group: bool) -> bool:
+    _traced.stack.append((level, group))
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _traced_pop() -> bool:
+    if _traced.stack:
+        _traced.stack.pop()
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _traced_top() -> tuple[int, bool] | None:
+    return _traced.stack[-1] if _traced.stack else None
+
+
+# NOTE [ The training level under torch.compile ]
+#
+# Under torch.compile a region is torch's checkpoint operator, whose body dynamo traces once
+# and the partitioner recomputes as a graph; the Python that set the region's level never runs
+# again. Some releases (2.6 among them) refuse a body that writes state it did not create
+# ("mutating a variable not in the current scope") and break the graph at every such region.
+# So while tracing, a region's level and group live on a stack of the trace's own, which the
+# functions below change and read: dynamo runs them for real while it traces and treats what
+# they return as a constant, so the operator's body writes nothing dynamo sees. The decisions
+# taken from them depend only on the model's structure and the training level, which dynamo
+# guards where the outermost region reads it. A trace that dynamo abandons half way can leave
+# entries behind, so the outermost region empties the stack first; eager code never reads it.
 
 
 _reentrant_warned = False
@@ -458,7 +542,7 @@ def choose_rung(policy: Policy) -> Rung | None:
     chosen = rung_within(policy.rungs, _policy_level(policy))
     if chosen is None or _core.region_depth() == 0:
         return chosen
-    return chosen if nests(policy.nesting, chosen, _region.group) else None
+    return chosen if nests(policy.nesting, chosen, _innermost()[1]) else None
 
 
 def nests(nesting: str, rung: Rung, inside_group: bool) -> bool:
@@ -478,7 +562,7 @@ def nests(nesting: str, rung: Rung, inside_group: bool) -> bool:
 def _ambient_level() -> Level:
     """The training level regions see now: the one captured when the innermost running region
     was called, else the global one (NOTE [ The training level seen by recomputation ])."""
-    ambient = _region.level
+    ambient = _innermost()[0]
     return _training_level if ambient is None else ambient
 
 
@@ -526,16 +610,14 @@ def run_policy(
         module = owner if isinstance(owner, nn.Module) else None
     if label is None:
         label = _core.region_label(fn)
-    return _core.checkpoint_region(
-        region,
-        *args,
+    options = dict(
         module=module,
         label=label,
         preserve_rng_state=policy.preserve_rng_state,
         context_fn=bind_region(rung.context_fn, label),
         offload=_offload_now(rung, label),
-        **kwargs,
     )
+    return _checkpoint(region, args, kwargs, options)
 
 
 def _offload_now(rung: Rung, label: str) -> bool:
@@ -682,12 +764,12 @@ def run_segments(
     ambient = _ambient_level()
     for start in range(0, len(layers), size):
         part_label = f"{label}[{start}:{start + size}]"
-        x = _core.checkpoint_region(
-            _RunAtLevel(_Segment(layers[start : start + size]), ambient, True),
-            x,
+        region = _RunAtLevel(_Segment(layers[start : start + size]), ambient, True)
+        options = dict(
             module=stack,
             label=part_label,
             preserve_rng_state=policy.preserve_rng_state,
             context_fn=bind_region(rung.context_fn, part_label),
         )
+        x = _checkpoint(region, (x,), {}, options)
     return x
