@@ -23,6 +23,7 @@ import argparse
 import copy
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,14 +36,8 @@ import vision_ckpt
 from vision_ckpt import _compat
 from vision_ckpt._memory import count_saved_bytes
 
-FRONTIER = (
-    "resnet50",
-    "convnext_tiny",
-    "vit_small_patch16_224",
-    "efficientnet_b0",
-    "swin_tiny_patch4_window7_224",
-    "densenet121",
-)
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_derive import MODELS as FRONTIER  # noqa: E402  (a script beside this one)
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
