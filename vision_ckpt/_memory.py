@@ -246,6 +246,8 @@ def _saved_bytes_pack_hook(
             count(_storage_of(plain), key)
         return t.detach()
 
+    pack.counts_kept_outputs = True  # type: ignore[attr-defined]  # NOTE [ Kept outputs on older torch ]
+
     def count(storage: torch.UntypedStorage | None, key: Hashable | None) -> None:
         if storage is not None and storage.data_ptr() not in excluded:
             ptr = storage.data_ptr()

@@ -280,12 +280,12 @@ class _GuardWrites:
 # region keeps. Older releases keep those outputs by reference and never call a hook, which
 # priced a selective region as lean as a full one. There, the write guard below, which sees each
 # operator's outputs as soon as the cache holds them, hands every newly kept tensor to the pack
-# hook of those same hooks (found as on 2.14, through the checkpoint hooks' ``_user_hooks``) and
-# drops what it returns: the cache still holds the tensor itself, so a counting hook counts it
-# at the moment 2.14 would, and gradients are unchanged. Hooks that would move the tensor
-# (save_on_cpu) cannot take it over this way, and on releases that cannot see hooks pushed by
-# other code (NOTE [ Saved-tensor hooks seen on older torch ] in _compat) only vision_ckpt's
-# own counting hooks are found.
+# hook of those same hooks (found as on 2.14, through the checkpoint hooks' ``_user_hooks``)
+# when it is one of vision_ckpt's counting hooks (``counts_kept_outputs``), and drops what it
+# returns: the cache still holds the tensor itself, so the count is taken at the moment 2.14
+# would take it, and gradients are unchanged. Other hooks are never called with a tensor whose
+# packed form would be thrown away (an offloading hook would copy it for nothing), so hooks
+# that would move a kept tensor (save_on_cpu) do not see it before 2.14.
 
 
 class _KeepBeforeWrite(TorchDispatchMode):
@@ -308,9 +308,10 @@ class _KeepBeforeWrite(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not _compat.SELECTIVE_KEEPS_HOOKS:  # NOTE [ Kept outputs on older torch ]
             hooks = _compat.user_saved_tensors_hooks()
+            counter = hooks[0] if hooks is not None else None
             for kept in self._index_new_entries():
-                if hooks is not None:
-                    hooks[0](kept)
+                if getattr(counter, "counts_kept_outputs", False):
+                    counter(kept)
         return out
 
     def __exit__(self, *exc: Any) -> Any:
