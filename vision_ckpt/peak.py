@@ -260,7 +260,7 @@ class _Calls:
     def __init__(self, model: nn.Module) -> None:
         self.names = {id(m): n for n, m in model.named_modules()}
         # each running call, with the autograd nodes of its arguments when it began
-        self.stack: list[tuple[nn.Module, str, set[int]]] = []
+        self.stack: list[tuple[nn.Module, str, tuple[list[Any], set[int]]]] = []
         self.backward_module = _LOSS  # rule 3; until a module's backward begins
         self.forward_done = False
         self.recomputed = False  # calls of a recomputation are on the stack
@@ -293,18 +293,20 @@ class _Calls:
             if is_recomputing() and not self.recomputed:
                 self.recomputed = True
                 self.stack_before_recompute = len(self.stack)
-            before = {
-                id(t.grad_fn)
+            # the nodes themselves, not only their ids: a node's Python object lives only while
+            # something holds it (torch 2.6), and a freed one's id is reused by the next
+            nodes = [
+                t.grad_fn
                 for t in tree_leaves(args)
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None
-            }
-            self.stack.append((module, name, before))
+            ]
+            self.stack.append((module, name, (nodes, {id(n) for n in nodes})))
 
     def _post(self, module: nn.Module, args: Any, out: Any) -> None:
         self._settle()
         if not self.stack or self.stack[-1][0] is not module:
             return
-        _, name, before = self.stack.pop()
+        _, name, (_, before) = self.stack.pop()
         if self.forward_done or is_recomputing():
             return
         for t in tree_leaves(out):
