@@ -47,7 +47,7 @@ def _fake_cuda_works() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     lacks = {
-        "needs_fsdp2_cpu": lambda: not hasattr(torch.Stream, "record_event"),
+        "needs_fsdp2_cpu": lambda: not hasattr(torch.cpu.Stream, "record_event"),
         "needs_fake_cuda": lambda: not _fake_cuda_works(),
     }
     why = {
