@@ -42,7 +42,7 @@ _REGISTRY_STATE = ("_selectors", "_registered", "_cache", "_registered_families"
 @pytest.fixture
 def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """The preset registry as a copy for the test: presets it registers are gone afterwards."""
-    from vision_ckpt import presets
+    from vision_ckpt.config import presets
 
     for name in _REGISTRY_STATE:
         monkeypatch.setattr(presets, name, copy.copy(getattr(presets, name)))

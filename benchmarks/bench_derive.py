@@ -13,7 +13,7 @@ batches), then every variant runs real steps at the batch, side by side in one p
 
 A model is a timm name or a spec as ``vision-ckpt`` takes it (``smp:MAnet(...)``,
 ``monai:VNet(...)@1,64,64,64`` with one sample's shape after ``@``); the loss fits its output
-(``vision_ckpt.models.output_loss``).
+(``vision_ckpt.measure.models.output_loss``).
 
 Peak: live tensor storage above what was live before the step (``track_peak_memory``,
 deterministic). Time: process CPU seconds of a step, the median over interleaved rounds of the
@@ -21,7 +21,7 @@ ratio to L0 in the same round (``--reps``; a sample is one step, or with ``--sam
 many steps as make that many of L0's seconds); and, deterministic, the matmul and convolution FLOPs
 of a step (recomputation included) relative to L0's, counted at batch 2 (FLOPs are linear in
 the batch), and the modelled step time relative to L0's (``modelled_ratio``: every operator's
-FLOPs and bytes moved at the batch, NOTE [ A modelled price ] in ``vision_ckpt._price``, the
+FLOPs and bytes moved at the batch, NOTE [ A modelled price ] in ``vision_ckpt.measure._price``, the
 price ``derive_preset`` chooses by). BatchNorm statistics after the first step are
 compared with L0's (``bn_exact``).
 
@@ -50,19 +50,19 @@ from typing import Any
 import torch
 
 import vision_ckpt
-from vision_ckpt._measure import Workload
-from vision_ckpt._memory import track_peak_memory
-from vision_ckpt._planner import level_signature
-from vision_ckpt._price import modelled_step_seconds
-from vision_ckpt.derive import derive_preset
-from vision_ckpt.models import (
+from vision_ckpt.config.presets import fallback_rules, preset_for_model
+from vision_ckpt.measure._measure import Workload
+from vision_ckpt.measure._memory import track_peak_memory
+from vision_ckpt.measure._price import modelled_step_seconds
+from vision_ckpt.measure.models import (
     build_model,
     default_input_shape,
     output_loss,
     own_switch,
     parse_input_shape,
 )
-from vision_ckpt.presets import fallback_rules, preset_for_model
+from vision_ckpt.tune._planner import level_signature
+from vision_ckpt.tune.derive import derive_preset
 
 MODELS = (
     "resnet50",

@@ -1,11 +1,12 @@
 """The largest batch that fits 12 GiB and 24 GiB: every level against the library's own switch.
 
 For each model (random weights, synthetic input, no optimizer) ``vision_ckpt.max_batch`` runs
-training steps (forward, the output's loss from ``vision_ckpt.models.output_loss``, backward)
+training steps (forward, the output's loss from
+``vision_ckpt.measure.models.output_loss``, backward)
 at a few small batches on **CPU**, counts the live tensor bytes after every operator with
 vision_ckpt's storage tracker (deterministic: the same figures on every run), and solves for
 the largest batch whose step peak is within the budget (NOTE [ The largest batch from a few
-small ones ] in ``vision_ckpt/fit.py``). The own switch is measured with the same meter:
+small ones ] in ``vision_ckpt/tune/fit.py``). The own switch is measured with the same meter:
 
 - MONAI SwinUNETR (feature_size 48, 1 channel in, 2 out) at 96^3 and 128^3: ``use_checkpoint``;
 - smp Unet(resnet34) at 512 px: smp has no switch;
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 
 import vision_ckpt
-from vision_ckpt.models import build_model
+from vision_ckpt.measure.models import build_model
 
 OUT = Path(__file__).resolve().parent / "results" / "fit"
 BUDGETS = {"12GiB": 12 * 2**30, "24GiB": 24 * 2**30}

@@ -10,7 +10,7 @@ beside level 0 in one process:
 - time: process CPU seconds of a step against level 0's in the same round, the median over
   interleaved rounds (``--reps``), each round's ratio kept in ``time_rounds``;
 - modelled: the step's modelled seconds against level 0's (NOTE [ A modelled price ] in
-  ``vision_ckpt._price``), the price a derivation chooses by.
+  ``vision_ckpt.measure._price``), the price a derivation chooses by.
 
     python benchmarks/bench_plans.py --model levit_128 --plans benchmarks/plans/levit_blocks.yaml \
         --threads 1 --reps 5 --out benchmarks/results/hand_plans_b32
@@ -32,10 +32,10 @@ import torch
 import yaml
 
 import vision_ckpt
-from vision_ckpt._measure import Workload
-from vision_ckpt._price import modelled_step_seconds
-from vision_ckpt.derive import derive_preset
-from vision_ckpt.models import build_model, default_input_shape, parse_input_shape
+from vision_ckpt.measure._measure import Workload
+from vision_ckpt.measure._price import modelled_step_seconds
+from vision_ckpt.measure.models import build_model, default_input_shape, parse_input_shape
+from vision_ckpt.tune.derive import derive_preset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_derive import (  # noqa: E402  (a script beside this one)

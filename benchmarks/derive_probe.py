@@ -3,7 +3,7 @@
 Not the derivation (docs/derive.md says what that will be): a probe for it. For each model
 (``pretrained=False``, synthetic data, CPU, one thread), one training step (forward,
 cross-entropy, backward) is measured at each level of the bundled preset and under plans made
-only of what ``vision_ckpt._spans.trace_spans`` finds, with no model knowledge:
+only of what ``vision_ckpt.tune._spans.trace_spans`` finds, with no model knowledge:
 
 - ``blocks``: every block of a repeated sequence (level 3);
 - ``runs+blocks``: also the maximal runs of sibling calls that do not overlap (level 1), nested
@@ -13,11 +13,11 @@ only of what ``vision_ckpt._spans.trace_spans`` finds, with no model knowledge:
 - ``stages``: every stage (level 4) over its blocks;
 - ``all``: groups, blocks, maximal runs and lean MLPs together, nesting ``all``.
 
-Measured per plan: ``peak`` (``vision_ckpt.peak.where_peak``: live tensor storage above the
+Measured per plan: ``peak`` (``vision_ckpt.measure.peak.where_peak``: live tensor storage above the
 parameters and the input, deterministic, the bytes of ``bench_frontier.py``'s ``peak``),
 where it came, and the step's FLOPs (forward + backward, recomputation included) relative to
 level 0's, a deterministic stand-in for time. The model's physical floor at the batch is
-measured once (NOTE [ The physical floor ] in ``vision_ckpt/peak.py``). Writes
+measured once (NOTE [ The physical floor ] in ``vision_ckpt/measure/peak.py``). Writes
 ``results.json`` to ``--out``: ``models`` (span counts and the floor per model), ``rows`` (one
 per plan), ``plans`` (each plan's rules) and ``top_groups`` (the largest live groups at each
 peak).
@@ -44,12 +44,12 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import vision_ckpt
-from vision_ckpt._measure import applied
-from vision_ckpt._spans import Span, trace_spans
-from vision_ckpt.apply import as_config
 from vision_ckpt.config import LevelRule
 from vision_ckpt.errors import ConfigError
-from vision_ckpt.peak import physical_floor, where_peak
+from vision_ckpt.measure._measure import applied
+from vision_ckpt.measure.peak import physical_floor, where_peak
+from vision_ckpt.regions.apply import as_config
+from vision_ckpt.tune._spans import Span, trace_spans
 
 MODELS = ("resnet50", "vit_small_patch16_224")
 MIB = 2**20

@@ -36,9 +36,14 @@ import timm
 import torch
 
 import vision_ckpt
-from vision_ckpt._extrapolate import extrapolated_peak, peak_measurer
-from vision_ckpt._measure import Workload
-from vision_ckpt.models import build_model, default_input_shape, output_loss, parse_input_shape
+from vision_ckpt.measure._extrapolate import extrapolated_peak, peak_measurer
+from vision_ckpt.measure._measure import Workload
+from vision_ckpt.measure.models import (
+    build_model,
+    default_input_shape,
+    output_loss,
+    parse_input_shape,
+)
 
 MODELS = (
     "mobilenetv3_small_100 regnetx_002 resnet18 deit_tiny_patch16_224@224 ghostnet_100 dla34 "

@@ -1,7 +1,7 @@
 """The physical floor at the target batch, measured there and predicted from small batches.
 
 ``derive_preset`` reports each level's distance to the model's physical floor at the target
-batch (NOTE [ The physical floor ] in ``vision_ckpt/peak.py``), predicted from the two small
+batch (NOTE [ The physical floor ] in ``vision_ckpt/measure/peak.py``), predicted from the two small
 batches it measures. This script measures the floor at the target itself (one plain traced step)
 and compares two predictions from the small batches: the line through the two floors (what
 the derivation did before), and the largest of the per-operator lines (``Floor.operator_bytes``,
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from vision_ckpt import physical_floor
-from vision_ckpt._extrapolate import predict_from_timelines, small_batches
-from vision_ckpt.models import output_loss
+from vision_ckpt.measure._extrapolate import predict_from_timelines, small_batches
+from vision_ckpt.measure.models import output_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_derive import _model_and_input  # noqa: E402  (a script beside this one)

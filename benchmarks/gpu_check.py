@@ -36,7 +36,7 @@ Sections (``--sections``, all by default), each on the models of ``--models``:
 ``memory``
     Per level at ``--batch``: the peak predicted from two small batches (what ``suggest_level``
     decides on) against the measured one, on the device's meter (``max_memory_allocated`` of
-    a warmed-up step on CUDA, NOTE [ Two meters ] in ``vision_ckpt._measure``), with
+    a warmed-up step on CUDA, NOTE [ Two meters ] in ``vision_ckpt.measure._measure``), with
     ``max_memory_reserved`` and the byte tracker's peak beside them. AdamW state included.
 ``suggest``
     ``suggest_level`` and ``plan_for_budget`` for ``--budget`` (default: halfway between the
@@ -856,14 +856,14 @@ def check_replay(args: argparse.Namespace, models: dict[str, dict[str, Any]]) ->
 
 
 def _workload(model: nn.Module, x: torch.Tensor, optimizer: Any) -> Any:
-    from vision_ckpt._measure import Workload, default_loss
+    from vision_ckpt.measure._measure import Workload, default_loss
 
     return Workload(model, x, default_loss, optimizer)
 
 
 def check_memory(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
-    from vision_ckpt._extrapolate import extrapolated_peak, peak_measurer
-    from vision_ckpt._measure import measure_memory, meter_for, run_step
+    from vision_ckpt.measure._extrapolate import extrapolated_peak, peak_measurer
+    from vision_ckpt.measure._measure import measure_memory, meter_for, run_step
 
     rows = []
     x, _ = _data(2, args.image, args.device)
@@ -896,7 +896,7 @@ def check_memory(args: argparse.Namespace, models: dict[str, dict[str, Any]]) ->
 
 def _real_peak(model: nn.Module, x: torch.Tensor) -> tuple[int, int | None]:
     """(deciding, reserved) peak of a warmed-up step at ``x``'s batch, AdamW included."""
-    from vision_ckpt._measure import measure_memory, run_step
+    from vision_ckpt.measure._measure import measure_memory, run_step
 
     work = _workload(model, x, torch.optim.AdamW(model.parameters(), lr=1e-4))
     run_step(work, x)
@@ -909,7 +909,7 @@ def check_suggest(
 ) -> list[dict]:
     import vision_ckpt
     from vision_ckpt.config import parse_memory_budget
-    from vision_ckpt.profile import plan_for_budget, suggest_level
+    from vision_ckpt.tune.profile import plan_for_budget, suggest_level
 
     rows = []
     x, _ = _data(2, args.image, args.device)
@@ -1011,7 +1011,7 @@ def _alone_peaks(
     """Each variant alone on the device (the allocator's peak counts every tensor there): a
     warmed-up step's peaks, above the allocation the step started from on CUDA. Returns the
     peaks by variant and the errors by variant."""
-    from vision_ckpt._measure import Workload, measure_memory
+    from vision_ckpt.measure._measure import Workload, measure_memory
 
     peaks: dict[str, dict[str, int | None]] = {}
     errors: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""The rates behind the modelled price (NOTE [ A modelled price ] in vision_ckpt/_price.py).
+"""The rates behind the modelled price (NOTE [ A modelled price ] in vision_ckpt/measure/_price.py).
 
 Times every operator of training steps (forward and backward) of a few models, on one thread,
 and reports the FLOPs per second of the operators with FLOPs (convolutions, matrix products,
@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from vision_ckpt._price import moves_nothing, op_flops
+from vision_ckpt.measure._price import moves_nothing, op_flops
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_derive import _model_and_input, train_step  # noqa: E402  (a script beside this one)

@@ -144,10 +144,10 @@ NOTES: dict[str, str] = {
     "LeViT-128, EfficientViT-B0 and FastViT-T8 are eleven rounds, the others five. The "
     "`*_selective` and `*_below<N>` plans (five rounds) make the stem and every block one "
     "selective region, keeping every product or redoing those under N FLOPs per output (NOTE "
-    "[ Products cheap to redo ] in `vision_ckpt._price`); they were run from identical copies "
-    "of the plan files outside the repository.",
+    "[ Products cheap to redo ] in `vision_ckpt.measure._price`); they were run from "
+    "identical copies of the plan files outside the repository.",
     "floor_b32": "The physical floor at the batch (NOTE [ The physical floor ] in "
-    "`vision_ckpt/peak.py`), measured there with one plain step, and two predictions from "
+    "`vision_ckpt/measure/peak.py`), measured there with one plain step, and two predictions from "
     "the two small batches a derivation measures: the line through their floors, and the "
     "largest of the per-operator lines that `derive_preset` now uses. The `x_floor` column of "
     "`derive_b32` and `derive_nopreset_b32` is each row's peak over this floor.",
@@ -189,8 +189,8 @@ NOTES: dict[str, str] = {
     "run's (`code`): UNETR's decoder blocks' inner regions alone give it a level 5, and "
     "VGG-11's level 1 holds the same peak for 1.26x modelled where it cost 1.55x.",
     "price_calibration": "The modelled price's rates measured per model and pooled (NOTE [ A "
-    "modelled price ] in `vision_ckpt._price`): one thread, batch 32, every operator of three "
-    "training steps per model timed.",
+    "modelled price ] in `vision_ckpt.measure._price`): one thread, batch 32, every operator "
+    "of three training steps per model timed.",
     "price_rates_b32": "Levels 1, 2 and 5 derived with the price's rates (`old`) and with the "
     "pooled rates of `price_calibration` (`new`), side by side beside level 0: whether "
     "fitting the rates to this CPU orders plans as its clock does.",
@@ -495,7 +495,7 @@ The bench scripts' memory meters, both shown where they disagree (a results file
 kind names its meter in the fields its section lists):
 
 - **storage**: bytes of live tensor storage, counted by vision_ckpt's own tracker
-  (`vision_ckpt._memory.track_peak_memory`); deterministic;
+  (`vision_ckpt.measure._memory.track_peak_memory`); deterministic;
 - **events**: `torch.profiler`'s allocator events; they also count temporaries that CPU
   kernels allocate inside an operator (torch's strided convolution copies its input), so they
   read higher where those occur, and they are the only meter that sees a compiled step.
@@ -927,7 +927,7 @@ def _level_summary(model: Any, plan_at: Any, level: int, children: dict) -> tupl
 
 def _preset_table(name: str, label: str, model: Any) -> list[str]:
     from vision_ckpt import plan
-    from vision_ckpt.presets import preset_family
+    from vision_ckpt.config.presets import preset_family
 
     family = preset_family(name)
     classes = ", ".join(
@@ -966,7 +966,7 @@ def _versions() -> str:
 def render_presets_section() -> str:
     import torch
 
-    from vision_ckpt.presets import list_presets
+    from vision_ckpt.config.presets import list_presets
 
     models = _family_models()
     shipped = [p.stem for p in sorted((ROOT / "configs" / "presets").glob("*.yaml"))]

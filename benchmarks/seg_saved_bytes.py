@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from vision_ckpt import CheckpointConfig, apply
-from vision_ckpt._memory import count_saved_bytes
+from vision_ckpt.measure._memory import count_saved_bytes
 
 MODELS = [
     ("Unet", "resnet34"),

@@ -5,7 +5,7 @@ conv-norm-act, at their late stages' sizes by default) runs one training step pl
 full region and as one selective region, at each ``--spatial`` size. Time: the median of
 ``--reps`` steps' process CPU seconds (after warm-up steps), the three ways interleaved; per
 layer: the region's extra time over the plain step divided by the layers. The modelled price
-(NOTE [ A modelled price ] in ``vision_ckpt._price``) charges a selective region only the
+(NOTE [ A modelled price ] in ``vision_ckpt.measure._price``) charges a selective region only the
 operators it runs again; what its policy costs per operator in the forward and the
 recomputation (a dispatch mode in Python) is not in it, and shows here where the tensors are
 small.
@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt._measure import Workload
-from vision_ckpt._price import modelled_step_seconds
+from vision_ckpt.measure._measure import Workload
+from vision_ckpt.measure._price import modelled_step_seconds
 
 WAYS: dict[str, dict[str, Any] | None] = {
     "plain": None,

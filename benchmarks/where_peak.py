@@ -1,11 +1,12 @@
-"""Where a training step's peak comes: a command line over ``vision_ckpt.peak.where_peak``.
+"""Where a training step's peak comes: a command line over ``vision_ckpt.measure.peak.where_peak``.
 
 One training step (forward, cross-entropy, backward) of a timm model at a level
 (``pretrained=False``, synthetic data, CPU) runs under the library's attributing tracker; printed
 are the peak of live tensor storage above the parameters and the input (the same bytes as
 ``bench_frontier.py``'s ``peak`` column), its phase, the aten operator that brought it and the
 module call running it (also inside a recomputation), and what was live at that instant,
-grouped by the module call that made it (NOTE [ Peak attribution ] in ``vision_ckpt/peak.py``).
+grouped by the module call that made it (NOTE [ Peak attribution ] in
+``vision_ckpt/measure/peak.py``).
 With ``--floor`` also the model's physical floor at the batch (NOTE [ The physical floor ]).
 This is how the presets' rules were placed, e.g.::
 
@@ -25,7 +26,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from vision_ckpt.peak import where_peak
+from vision_ckpt.measure.peak import where_peak
 
 
 def main(argv: list[str] | None = None) -> int:

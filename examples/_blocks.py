@@ -21,7 +21,7 @@ from einops import rearrange
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt import _core
+from vision_ckpt.runtime import _core
 
 __all__ = ["DropPath", "PatchMerging", "Transition", "record_core_calls"]
 

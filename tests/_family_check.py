@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from vision_ckpt._memory import count_saved_bytes
-from vision_ckpt.apply import apply, remove
 from vision_ckpt.config import CheckpointConfig
-from vision_ckpt.presets import preset_for_model
+from vision_ckpt.config.presets import preset_for_model
+from vision_ckpt.measure._memory import count_saved_bytes
+from vision_ckpt.regions.apply import apply, remove
 
 LEVELS = range(6)
 

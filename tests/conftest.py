@@ -197,7 +197,7 @@ def scratch_preset(scratch_registry: None) -> Callable[..., str]:
     config) or the name of a fixture preset (:data:`FIXTURE_PRESETS`), registered under that
     name."""
     from vision_ckpt.config import CheckpointConfig
-    from vision_ckpt.presets import register_preset
+    from vision_ckpt.config.presets import register_preset
 
     def register(rules: list[dict[str, Any]] | str, name: str = "scratch") -> str:
         if isinstance(rules, str):
@@ -210,9 +210,9 @@ def scratch_preset(scratch_registry: None) -> Callable[..., str]:
 
 @pytest.fixture
 def saved_bytes():
-    """The library's own counter, :func:`vision_ckpt._memory.count_saved_bytes`: ``with
+    """The library's own counter, :func:`vision_ckpt.measure._memory.count_saved_bytes`: ``with
     saved_bytes() as c: ...; c.nbytes``."""
-    from vision_ckpt._memory import count_saved_bytes
+    from vision_ckpt.measure._memory import count_saved_bytes
 
     return count_saved_bytes
 
@@ -249,7 +249,7 @@ def core_calls(monkeypatch: pytest.MonkeyPatch) -> CoreCalls:
     import vision_ckpt
 
     calls = CoreCalls()
-    core = vision_ckpt._core
+    core = vision_ckpt.runtime._core
     real, real_region = core.checkpoint, core.checkpoint_region
 
     def counting(fn: Any, *args: Any, **kwargs: Any) -> Any:

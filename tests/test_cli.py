@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vision_ckpt.cli import main
+from vision_ckpt.cli.main import main
 
 TINY = ["--model", "resnet18", "--img-size", "32", "--batch-size", "2"]
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from vision_ckpt import ModelSpecError, build_model
-from vision_ckpt.cli import main
-from vision_ckpt.models import (
+from vision_ckpt.cli.main import main
+from vision_ckpt.measure.models import (
     default_input_shape,
     output_loss,
     own_switch,
@@ -69,7 +69,10 @@ def test_malformed_specs_quote_the_spec_and_the_expected_form(spec: str, message
         ("torchvision:deeplab_resnet50()", r"did you mean: deeplabv3_resnet50"),
         ("resnet_18", r"unknown timm model 'resnet_18'; did you mean: resnet18"),
         ("os:getcwd()", r"'os' is part of Python's standard library, not a model library"),
-        ("vision_ckpt.models:Any()", r"'Any' in vision_ckpt.models comes from 'typing'"),
+        (
+            "vision_ckpt.measure.models:Any()",
+            r"'Any' in vision_ckpt.measure.models comes from 'typing'",
+        ),
         ("timm:resnet18(pretrained=True)", r"pretrained=True would download weights"),
         (
             "monai:SwinUNETR(in_channels=1)",

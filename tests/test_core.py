@@ -1100,7 +1100,7 @@ def test_recomputation_leaves_nothing_alive_after_backward(early_stop: bool) -> 
     """Ops that save their own output (exp) must not leak recomputed tensors step after step."""
     import gc
 
-    from vision_ckpt._memory import track_peak_memory
+    from vision_ckpt.measure._memory import track_peak_memory
 
     h = torch.randn(64, 64, requires_grad=True)
 
@@ -1170,7 +1170,7 @@ def test_a_tensor_passed_in_several_places_is_one_object_when_recomputed() -> No
 def without_make_saved_tensor(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The path for torch builds that lack torch._C._autograd._make_saved_tensor; the list
     counts the calls of the fallback that saves inputs through an autograd Function."""
-    import vision_ckpt._core as core
+    import vision_ckpt.runtime._core as core
 
     calls: list[int] = []
     real = core._save_with_function
@@ -1440,7 +1440,7 @@ def test_an_offloaded_input_comes_back_as_it_was() -> None:
     """NOTE [ Offloaded inputs ]: the host copy keeps shape, strides (channels-last here),
     dtype and requires_grad, and the values bit for bit. (On CPU the copy is not pinned: the
     device path, pinned and non-blocking, needs a GPU.)"""
-    from vision_ckpt._core import _HostCopy, _offload_inputs, _offloadable
+    from vision_ckpt.runtime._core import _HostCopy, _offload_inputs, _offloadable
 
     x = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last).requires_grad_()
     copy = _HostCopy(x, pin=False)

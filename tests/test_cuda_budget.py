@@ -2,12 +2,12 @@
 
 On a CUDA device, ``profile``, ``suggest_level`` and the planner decide on
 ``torch.cuda.max_memory_allocated`` of real warmed-up steps and report ``max_memory_reserved``
-(NOTE [ Two meters ] in ``vision_ckpt._measure``). There is no GPU here, so these tests run the
-model on CPU, tell the measuring code that the device is CUDA (the one detection function
-``meter_for`` consults), and stand in for the allocator: :class:`FakeAllocator` answers
-``max_memory_allocated`` with figures far above what the byte tracker counts, so a decision
-taken on the tracker's bytes and one taken on the allocator's differ, and each test can tell
-which meter decided.
+(NOTE [ Two meters ] in ``vision_ckpt.measure._measure``). There is no GPU here, so these
+tests run the model on CPU, tell the measuring code that the device is CUDA (the one detection
+function ``meter_for`` consults), and stand in for the allocator: :class:`FakeAllocator` answers
+``max_memory_allocated`` with figures far above what the byte tracker counts, so a decision taken on
+the tracker's bytes and one taken on the allocator's differ, and each test can tell which meter
+decided.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import vision_ckpt
-from vision_ckpt import _measure
-from vision_ckpt._measure import (
+from vision_ckpt.measure import _measure
+from vision_ckpt.measure._measure import (
     FitCheck,
     Snapshot,
     Workload,
@@ -28,7 +28,7 @@ from vision_ckpt._measure import (
     meter_for,
     model_restored,
 )
-from vision_ckpt.profile import plan_for_budget, profile, suggest_level
+from vision_ckpt.tune.profile import plan_for_budget, profile, suggest_level
 
 MiB = 2**20
 GiB = 2**30
@@ -163,7 +163,7 @@ class WorkspaceAllocator(FakeAllocator):
 def test_on_cuda_a_workspace_that_grows_with_the_batch_is_predicted_where_it_happens(
     monkeypatch,
 ) -> None:
-    from vision_ckpt._extrapolate import extrapolated_peak, peak_measurer
+    from vision_ckpt.measure._extrapolate import extrapolated_peak, peak_measurer
 
     torch.manual_seed(0)
     inner = torch.nn.Linear(16, 16)

@@ -16,12 +16,12 @@ from torch import nn
 
 import vision_ckpt
 from vision_ckpt import derive_preset
-from vision_ckpt._optimise import Block, Option, Span
-from vision_ckpt._planner import least_memory
-from vision_ckpt._price import cheap_product_flops
-from vision_ckpt.cli import main
-from vision_ckpt.derive import regions_of
+from vision_ckpt.cli.main import main
 from vision_ckpt.errors import ConfigError
+from vision_ckpt.measure._price import cheap_product_flops
+from vision_ckpt.tune._optimise import Block, Option, Span
+from vision_ckpt.tune._planner import least_memory
+from vision_ckpt.tune.derive import regions_of
 
 
 class _Block(nn.Module):
@@ -208,7 +208,7 @@ def test_a_derivation_is_the_same_on_every_run(derived) -> None:
 def test_a_derivation_measures_its_plans_at_the_two_small_batches(monkeypatch) -> None:
     # each plan's peak comes from batches target/8 and target/4; only level 0's (the menus')
     # also runs target/2, which costs as much as the other two together
-    import vision_ckpt._extrapolate as extrapolate
+    import vision_ckpt.measure._extrapolate as extrapolate
 
     batches: list[int] = []
     measure = extrapolate.measure_memory
@@ -227,7 +227,7 @@ def test_a_derivation_measures_its_plans_at_the_two_small_batches(monkeypatch) -
 def test_a_level_measured_over_its_goal_is_asked_again_for_less(derived, monkeypatch) -> None:
     # the program's prediction of a mix can miss; a level whose measured peak lands more than
     # 5% over its goal is chosen again with the goal lowered by the factor missed
-    import vision_ckpt.derive as derive
+    import vision_ckpt.tune.derive as derive
 
     model, _ = derived
     measured = derive._measured_peak
@@ -343,7 +343,7 @@ def test_cli_profile_reports_the_floor(capsys) -> None:
 
 
 def test_preset_derived_is_resolved_once_on_an_input(monkeypatch, assert_exact, exact_step):
-    from vision_ckpt import derive as derive_module
+    from vision_ckpt.tune import derive as derive_module
 
     with pytest.raises(ConfigError, match="preset 'derived' is measured on an input"):
         vision_ckpt.apply(_Net(), {"preset": "derived", "training_checkpoint_level": 3})
@@ -420,7 +420,7 @@ def test_a_unit_holding_units_is_nested_with_their_runs(
 ) -> None:
     """The head is a unit and so are the runs inside it: nested, it recomputes them as the runs
     the planner priced (their spans kept), and every level stays exact."""
-    import vision_ckpt.derive as derive
+    import vision_ckpt.tune.derive as derive
 
     # level 5 (the least memory) nests the head; unmarked, it keeps its own plan even where it
     # lowers the peak by less than 5% on this small net
@@ -441,7 +441,7 @@ def _chain(n: int = 6):
     (+90 back, 1 s), nested 10 (+40 back, 1.5 s); 100 bytes outside them."""
     from types import SimpleNamespace
 
-    from vision_ckpt._optimise import Block, Option
+    from vision_ckpt.tune._optimise import Block, Option
 
     options = (
         Option("keep", 100, 0, 0.0),
@@ -455,7 +455,7 @@ def _chain(n: int = 6):
 
 def _predicted(menus, plan: dict[str, str], what: int = 0) -> int | float:
     """The program's peak (``what=0``) or time (``what=1``) of ``plan``."""
-    from vision_ckpt._optimise import predict
+    from vision_ckpt.tune._optimise import predict
 
     by_name = {b.name: {o.strategy: o for o in b.options} for b in menus.blocks}
     return predict(menus.blocks, [by_name[n][s] for n, s in plan.items()], menus.base)[what]
@@ -464,7 +464,7 @@ def _predicted(menus, plan: dict[str, str], what: int = 0) -> int | float:
 def test_levels_are_spaced_towards_the_measured_top_not_the_programs() -> None:
     # the step peaks where the program does not look (a floor of 450 bytes under every plan):
     # goals spaced towards the program's least memory (250) would all land on that floor
-    from vision_ckpt.derive import _plans
+    from vision_ckpt.tune.derive import _plans
 
     menus = _chain()
     out = _plans(menus, lambda k, plans: max(450, _predicted(menus, plans[-1])))
@@ -477,7 +477,7 @@ def test_levels_are_spaced_towards_the_measured_top_not_the_programs() -> None:
 def test_a_level_goes_at_least_as_low_as_its_anchor() -> None:
     # spaced, level 2 would stop above what checkpointing every small block measures (DenseNet:
     # 989 MiB spaced, 581 its dense layers alone); its anchor is the most it may keep
-    from vision_ckpt.derive import _plans
+    from vision_ckpt.tune.derive import _plans
 
     # (on these menus level 2 is spaced onto their least memory already: the anchor is put on
     # level 1, whose spaced goal stops at 450 bytes, selective blocks)
@@ -495,7 +495,7 @@ def test_a_level_above_a_level_past_its_knee_keeps_its_nested_blocks() -> None:
     # one recomputation per block moves nothing below 450 bytes here, so level 2 goes past its
     # knee with nested blocks; level 3, bounded by one recomputation again, keeps them (it
     # had no option left for them: MONAI VNet's derivation failed there)
-    from vision_ckpt.derive import _plans
+    from vision_ckpt.tune.derive import _plans
 
     menus = _chain()
 
@@ -513,7 +513,7 @@ def test_a_level_above_a_level_past_its_knee_keeps_its_nested_blocks() -> None:
 def test_a_level_that_misses_its_goal_keeps_the_fastest_plan_at_that_peak() -> None:
     # level 2 measures over its goal whatever is chosen: asking again for less buys nothing,
     # so the level ends with the fastest of the plans measured at that peak, never a slower one
-    from vision_ckpt.derive import _plans
+    from vision_ckpt.tune.derive import _plans
 
     menus = _chain()
     seen: list[dict[str, str]] = []
@@ -534,7 +534,7 @@ def test_a_group_that_does_not_combine_is_left_out_of_the_low_end() -> None:
     # HF PoolFormer: a ModuleList group over blocks whose own regions start at the same level is
     # refused by plan(); measuring the low end of the curve skips it instead of failing
     transformers = pytest.importorskip("transformers")
-    from vision_ckpt.models import output_loss
+    from vision_ckpt.measure.models import output_loss
 
     config = transformers.PoolFormerConfig(
         hidden_sizes=[16, 32, 48, 64], depths=[2, 2, 4, 2], num_labels=10
@@ -888,7 +888,7 @@ def test_each_run_of_units_is_kept_or_dropped_on_its_own(
     # NOTE [ Runs of units ]: MONAI VNet's encoder run lowered its level 4 by 9%, its decoder
     # run raised level 5 by 4%, and tried together neither was kept. Here the measured peaks
     # say the same of the two runs of _TwoChains: the encoder's is kept, the other is not
-    import vision_ckpt.derive as derive
+    import vision_ckpt.tune.derive as derive
 
     torch.manual_seed(0)
     model = _TwoChains()

@@ -303,7 +303,7 @@ def test_apply_then_fully_shard_keeps_the_checkpointed_forward(group_of_one, cor
 def test_track_peak_memory_follows_fsdp2_parameters(group_of_one) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from vision_ckpt._memory import track_peak_memory
+    from vision_ckpt.measure._memory import track_peak_memory
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fully_shard(model)

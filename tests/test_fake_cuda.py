@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vision_ckpt
-from vision_ckpt._selective import HEAVY_OPS, SaveOps
+from vision_ckpt.runtime._selective import HEAVY_OPS, SaveOps
 
 pytestmark = pytest.mark.needs_fake_cuda
 

@@ -19,8 +19,8 @@ from torch import nn
 
 import vision_ckpt
 from vision_ckpt import CheckpointConfig
-from vision_ckpt._measure import Workload, measure_memory
-from vision_ckpt.models import output_loss
+from vision_ckpt.measure._measure import Workload, measure_memory
+from vision_ckpt.measure.models import output_loss
 
 
 def _resnet() -> nn.Module:

@@ -32,13 +32,13 @@ from torch import nn  # noqa: E402
 
 import vision_ckpt  # noqa: E402
 from vision_ckpt import ConfigError  # noqa: E402
+from vision_ckpt.config.matching import ModuleMatcher, qualified_class_name  # noqa: E402
+from vision_ckpt.config.presets import list_presets, load_preset, preset_family  # noqa: E402
 from vision_ckpt.integrations.hf import (  # noqa: E402
     disable_checkpointing,
     enable_checkpointing,
     hf_checkpointing_on,
 )
-from vision_ckpt.matching import ModuleMatcher, qualified_class_name  # noqa: E402
-from vision_ckpt.presets import list_presets, load_preset, preset_family  # noqa: E402
 
 T = transformers
 _DROP = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
@@ -295,7 +295,7 @@ def test_every_rule_selects_callable_modules(preset: str) -> None:
 def test_levels_one_and_two_save_something(case: Case) -> None:
     """Each family has layers of level-1 and level-2 size, and those levels keep less than no
     checkpointing (the structural fallback's level 1 kept as much on HF ViT and ConvNeXt)."""
-    from vision_ckpt._memory import count_saved_bytes
+    from vision_ckpt.measure._memory import count_saved_bytes
 
     torch.manual_seed(0)
     model = case.make().train()
@@ -318,7 +318,7 @@ def test_vit_level_five_nests_the_attention_and_lowers_the_peak(
     recomputation: gradients stay bit-exact with dropout on, and the step's peak falls below
     level 4's (the forward saves the same; the recomputed layers' MLP backward no longer holds
     the attention's tensors)."""
-    from vision_ckpt._memory import track_peak_memory
+    from vision_ckpt.measure._memory import track_peak_memory
 
     torch.manual_seed(0)
     plain = T.ViTForImageClassification(
@@ -347,7 +347,7 @@ def test_dinov2_level_five_nests_the_attention_half_and_lowers_the_peak(
 ) -> None:
     """hf_dinov2's level 5 adds norm1 through attention as a run inside each recomputed layer:
     bit-exact with dropout and drop-path on, and a lower step peak than level 4."""
-    from vision_ckpt._memory import track_peak_memory
+    from vision_ckpt.measure._memory import track_peak_memory
 
     config = T.Dinov2Config(
         hidden_size=64,

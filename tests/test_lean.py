@@ -20,7 +20,7 @@ from torch import nn
 
 import vision_ckpt
 from vision_ckpt import CheckpointError, ConfigError, _compat
-from vision_ckpt._memory import track_peak_memory
+from vision_ckpt.measure._memory import track_peak_memory
 
 LEAN = {"match": "blocks.*.mlp", "level": 1, "lean": True}
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from vision_ckpt._memory import count_saved_bytes, format_bytes, track_peak_memory
+from vision_ckpt.measure._memory import count_saved_bytes, format_bytes, track_peak_memory
 
 MiB = 2**20
 

@@ -33,11 +33,11 @@ from monai.networks import nets  # noqa: E402
 from torch import nn  # noqa: E402
 
 import vision_ckpt  # noqa: E402
-from vision_ckpt._memory import count_saved_bytes  # noqa: E402
-from vision_ckpt.apply import apply, plan  # noqa: E402
 from vision_ckpt.config import CheckpointConfig  # noqa: E402
-from vision_ckpt.matching import ModuleMatcher, qualified_class_name  # noqa: E402
-from vision_ckpt.presets import list_presets, load_preset, preset_family  # noqa: E402
+from vision_ckpt.config.matching import ModuleMatcher, qualified_class_name  # noqa: E402
+from vision_ckpt.config.presets import list_presets, load_preset, preset_family  # noqa: E402
+from vision_ckpt.measure._memory import count_saved_bytes  # noqa: E402
+from vision_ckpt.regions.apply import apply, plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

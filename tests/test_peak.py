@@ -1,5 +1,6 @@
-"""where_peak and physical_floor (vision_ckpt/peak.py): exact bytes on hand-built models whose
-every tensor size is known, the owner of what is live at the peak, and agreement with the
+"""where_peak and physical_floor (vision_ckpt/measure/peak.py): exact bytes on hand-built
+models whose every tensor size is known, the owner of what is live at the peak, and agreement with
+the
 library's own meter on a timm model."""
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import timm
 import torch
 from torch import nn
 
-from vision_ckpt._measure import Workload, applied, measure_memory
 from vision_ckpt.config import CheckpointConfig
 from vision_ckpt.errors import ConfigError
-from vision_ckpt.peak import physical_floor, where_peak
+from vision_ckpt.measure._measure import Workload, applied, measure_memory
+from vision_ckpt.measure.peak import physical_floor, where_peak
 
 B, H = 256, 4096
 N = B * H * 4  # one float32 tensor of the hidden width

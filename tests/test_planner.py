@@ -21,10 +21,10 @@ from _models import TinyViT
 
 import vision_ckpt
 from vision_ckpt import CheckpointConfig, ConfigError
-from vision_ckpt._memory import track_peak_memory
-from vision_ckpt._optimise import Block, Option, Span, choose, choose_exhaustively, predict
-from vision_ckpt.cli import main
-from vision_ckpt.profile import default_loss, plan_for_budget, planner_frontier, resolve_auto
+from vision_ckpt.cli.main import main
+from vision_ckpt.measure._memory import track_peak_memory
+from vision_ckpt.tune._optimise import Block, Option, Span, choose, choose_exhaustively, predict
+from vision_ckpt.tune.profile import default_loss, plan_for_budget, planner_frontier, resolve_auto
 
 
 def _per_block(result):
@@ -361,7 +361,9 @@ def test_resolve_auto_plans_for_the_configs_budget() -> None:
     model = _six_blocks()
     budget = _budget(model, 0.5)
     auto = CONFIG.model_copy(update={"training_checkpoint_level": "auto", "memory_budget": budget})
-    with pytest.raises(ConfigError, match="plan it first with vision_ckpt.profile.resolve_auto"):
+    with pytest.raises(
+        ConfigError, match="plan it first with vision_ckpt.tune.profile.resolve_auto"
+    ):
         vision_ckpt.apply(model, auto)
     planned = resolve_auto(model, _x(), auto, batch_size=8)
     assert planned.training_checkpoint_level == 3 and planned.memory_budget is None
@@ -476,7 +478,7 @@ def test_the_answer_is_never_slower_than_the_fastest_fitting_uniform_level(share
 
 
 def test_a_faster_uniform_level_is_returned_with_the_plan_it_beat(monkeypatch) -> None:
-    import vision_ckpt._planner as planner
+    import vision_ckpt.tune._planner as planner
 
     model = _six_blocks()
     budget = _budget(model, 0.5)

@@ -16,11 +16,10 @@ import torch
 import torchvision.models as tvm
 from torch import nn
 
-from vision_ckpt import ConfigError, PresetMismatchWarning, _fallback, presets
-from vision_ckpt.apply import CheckpointPlan, plan
-from vision_ckpt.config import CheckpointConfig, LevelRule, PresetFile
-from vision_ckpt.matching import ModuleMatcher
-from vision_ckpt.presets import (
+from vision_ckpt import ConfigError, PresetMismatchWarning
+from vision_ckpt.config import CheckpointConfig, LevelRule, PresetFile, _fallback, presets
+from vision_ckpt.config.matching import ModuleMatcher
+from vision_ckpt.config.presets import (
     fallback_rules,
     list_presets,
     load_preset,
@@ -29,6 +28,7 @@ from vision_ckpt.presets import (
     preset_rules,
     register_preset,
 )
+from vision_ckpt.regions.apply import CheckpointPlan, plan
 
 PRESET_FILES = sorted((Path(__file__).parent.parent / "configs" / "presets").glob("*.yaml"))
 
@@ -526,7 +526,7 @@ def test_fallback_runs_and_is_exact() -> None:
     ref.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    from vision_ckpt.apply import apply, remove
+    from vision_ckpt.regions.apply import apply, remove
 
     applied = apply(
         model, CheckpointConfig(training_checkpoint_level=5, preset="auto", nesting="all")

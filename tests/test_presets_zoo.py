@@ -28,9 +28,9 @@ from _family_check import Case, check_case
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt.apply import plan
 from vision_ckpt.config import CheckpointConfig
-from vision_ckpt.presets import list_presets
+from vision_ckpt.config.presets import list_presets
+from vision_ckpt.regions.apply import plan
 
 LEVELS = range(6)
 

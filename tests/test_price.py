@@ -1,5 +1,6 @@
-"""The modelled price of operators (``vision_ckpt._price``, NOTE [ A modelled price ]): FLOPs
-from shapes, bytes from the tensors read and written, and a whole step priced the same on every
+"""The modelled price of operators (``vision_ckpt.measure._price``, NOTE [ A modelled
+price ]): FLOPs from shapes, bytes from the tensors read and written, and a whole step priced the
+same on every
 run, its recomputation included."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ import torch
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt._measure import Workload, default_loss
-from vision_ckpt._price import (
+from vision_ckpt.measure._measure import Workload, default_loss
+from vision_ckpt.measure._price import (
     ModelledClock,
     cheap_product_flops,
     modelled_step_seconds,

@@ -8,9 +8,9 @@ import torch
 
 import vision_ckpt
 from vision_ckpt import profile, suggest_level
-from vision_ckpt._measure import Workload, batch_of, measure_memory
-from vision_ckpt._memory import track_peak_memory
-from vision_ckpt.profile import default_loss, plan_for_budget
+from vision_ckpt.measure._measure import Workload, batch_of, measure_memory
+from vision_ckpt.measure._memory import track_peak_memory
+from vision_ckpt.tune.profile import default_loss, plan_for_budget
 
 
 def _mobilenet() -> torch.nn.Module:

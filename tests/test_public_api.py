@@ -37,17 +37,17 @@ def test_presets_are_listed_from_the_package() -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "vision_ckpt._core",
-        "vision_ckpt._memory",
-        "vision_ckpt.apply",
-        "vision_ckpt.config",
-        "vision_ckpt.fit",
-        "vision_ckpt.levels",
-        "vision_ckpt.matching",
-        "vision_ckpt.models",
-        "vision_ckpt.presets",
-        "vision_ckpt.profile",
-        "vision_ckpt.wrapper",
+        "vision_ckpt.runtime._core",
+        "vision_ckpt.measure._memory",
+        "vision_ckpt.regions.apply",
+        "vision_ckpt.config.schema",
+        "vision_ckpt.tune.fit",
+        "vision_ckpt.config.levels",
+        "vision_ckpt.config.matching",
+        "vision_ckpt.measure.models",
+        "vision_ckpt.config.presets",
+        "vision_ckpt.tune.profile",
+        "vision_ckpt.runtime.wrapper",
     ],
 )
 def test_public_modules_have_docstring_examples(module: str) -> None:
@@ -99,16 +99,16 @@ def test_every_exported_name_imports_in_a_fresh_interpreter() -> None:
     out = _run(
         """
         import importlib, types
-        import vision_ckpt.apply, vision_ckpt.profile
+        import vision_ckpt.regions.apply, vision_ckpt.tune.profile
         import vision_ckpt
         assert callable(vision_ckpt.apply) and not isinstance(vision_ckpt.apply, types.ModuleType)
         assert callable(vision_ckpt.profile)
         assert not isinstance(vision_ckpt.profile, types.ModuleType)
-        assert importlib.import_module("vision_ckpt.profile").profile is vision_ckpt.profile
+        assert importlib.import_module("vision_ckpt.tune.profile").profile is vision_ckpt.profile
         for name in vision_ckpt.__all__:
             exec(f"from vision_ckpt import {name}")
         assert set(vision_ckpt.__all__) <= set(dir(vision_ckpt))
-        assert isinstance(vision_ckpt._core, types.ModuleType)
+        assert isinstance(vision_ckpt.runtime._core, types.ModuleType)
         print("ok")
         """
     )
@@ -137,8 +137,8 @@ def test_lazy_names_match_the_type_checking_imports_and_all() -> None:
 
 
 def test_register_preset_is_exported() -> None:
-    assert vision_ckpt.register_preset is vision_ckpt.presets.register_preset
-    assert "register_preset" in vision_ckpt.presets.__all__
+    assert vision_ckpt.register_preset is vision_ckpt.config.presets.register_preset
+    assert "register_preset" in vision_ckpt.config.presets.__all__
 
 
 # --- the torch floor -------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from torch import nn
 
 import vision_ckpt
 from vision_ckpt import CheckpointError, ConfigError
-from vision_ckpt._memory import track_peak_memory
+from vision_ckpt.measure._memory import track_peak_memory
 
 STEM = {"match": "conv", "level": 1, "through": "pool"}
 
@@ -371,7 +371,9 @@ def test_a_presets_run_keeps_its_glob_in_a_feature_wrapper() -> None:
     (the blocks without the run are left out there too), not by a list of names."""
     with torch.device("meta"):
         model = timm.create_model("efficientnet_b0", pretrained=False, features_only=True)
-    runs = {r.match: r for r, _ in vision_ckpt.presets.preset_rules(model, "auto") if r.through}
+    runs = {
+        r.match: r for r, _ in vision_ckpt.config.presets.preset_rules(model, "auto") if r.through
+    }
     assert {"blocks.1.*.conv_pw", "blocks.0.*.conv_dw"} <= set(runs)
     p = vision_ckpt.plan(model, {"training_checkpoint_level": 4, "preset": "auto"})
     assert p["blocks.1.0.conv_pw"].checkpointed and "blocks.0.0.conv_pw" not in {e.name for e in p}

@@ -25,7 +25,7 @@ from torch import nn
 
 import vision_ckpt
 from vision_ckpt.config import CheckpointConfig
-from vision_ckpt.presets import list_presets, load_preset, preset_for_model, preset_rules
+from vision_ckpt.config.presets import list_presets, load_preset, preset_for_model, preset_rules
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIXES = ("smp_", "tvseg_")

@@ -1,4 +1,4 @@
-"""trace_spans (vision_ckpt/_spans.py): the candidate regions one traced forward gives, on a
+"""trace_spans (vision_ckpt/tune/_spans.py): the candidate regions one traced forward gives, on a
 hand-built model whose every span is known, and on timm models against what their
 hand-written presets name; every emitted rule plans, and training under it stays exact."""
 
@@ -16,8 +16,8 @@ from timm.layers import Mlp
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt._spans import Span, trace_spans
-from vision_ckpt.apply import apply, plan
+from vision_ckpt.regions.apply import apply, plan
+from vision_ckpt.tune._spans import Span, trace_spans
 
 
 class _Block(nn.Module):

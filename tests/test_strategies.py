@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vision_ckpt
 from vision_ckpt import CheckpointConfig, ConfigError
-from vision_ckpt._memory import track_peak_memory
+from vision_ckpt.measure._memory import track_peak_memory
 
 # Tiny configs of the six families the frontier benchmark measures, with drop-path on.
 FAMILIES = {
@@ -129,13 +129,13 @@ def test_plan_counts_the_regions_the_forward_checkpoints(
     core_calls, monkeypatch, scratch_preset
 ) -> None:
     runs = []  # regions made of sibling calls (level 5's attention halves) open a ChainRegion
-    real_run = vision_ckpt._core.ChainRegion
+    real_run = vision_ckpt.runtime._core.ChainRegion
 
     def counting_run(*args, **kwargs):
         runs.append(kwargs.get("label"))
         return real_run(*args, **kwargs)
 
-    monkeypatch.setattr(vision_ckpt._core, "ChainRegion", counting_run)
+    monkeypatch.setattr(vision_ckpt.runtime._core, "ChainRegion", counting_run)
     model, x = _model("vit_tiny_patch16_224")
     depth = len(model.blocks)
     preset = scratch_preset("vit_like")  # groups from level 4 (the `segments` below)
@@ -294,7 +294,7 @@ def test_a_kept_output_written_in_place_stays_exact(assert_exact, exact_step) ->
 
 
 def test_recompute_below_redoes_cheap_convolutions_only() -> None:
-    from vision_ckpt._selective import flops_per_output
+    from vision_ckpt.runtime._selective import flops_per_output
 
     conv = torch.ops.aten.convolution.default
     x = torch.empty(1, 64, 8, 8)
@@ -341,7 +341,7 @@ def test_a_seeded_operator_named_in_keep_is_recomputed(assert_exact, exact_step)
         },
     )
     assert_exact(exact_step(model, x), reference)
-    from vision_ckpt._selective import SaveOps
+    from vision_ckpt.runtime._selective import SaveOps
 
     keep = SaveOps(["aten.native_dropout", "aten.addmm"])
     op = torch.ops.aten.native_dropout.default

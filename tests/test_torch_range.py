@@ -11,7 +11,7 @@ from torch import nn
 
 import vision_ckpt
 from vision_ckpt import _compat, checkpoint
-from vision_ckpt._memory import count_saved_bytes
+from vision_ckpt.measure._memory import count_saved_bytes
 
 
 def test_features_name_what_is_native() -> None:
@@ -102,7 +102,7 @@ def test_a_compiled_level_breaks_the_graph_no_more_than_level_0() -> None:
 def test_batchnorm_regions_compile_where_torch_updates_statistics_once(monkeypatch) -> None:
     """Where torch's compiled checkpoint updates BatchNorm statistics twice, such regions run
     between graphs, and the first says so; elsewhere they compile into one graph."""
-    from vision_ckpt import wrapper
+    from vision_ckpt.runtime import wrapper
 
     monkeypatch.setattr(wrapper, "_compile_notes_shown", set())  # shown once per process
     breaks, messages = _graph_breaks("resnet18", 2)

@@ -17,8 +17,8 @@ from vision_ckpt import (
     get_training_level,
     set_training_level,
     training_level,
-    wrapper as wrapper_module,
 )
+from vision_ckpt.runtime import wrapper as wrapper_module
 
 
 def _mlp(seed: int = 0) -> nn.Module:

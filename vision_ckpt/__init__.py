@@ -14,11 +14,8 @@ checkpointed exactly when ``1 <= block level <= training level``.
 # ``dir(vision_ckpt)`` behave as with eager imports, and ``vision_ckpt.<submodule>`` imports
 # the submodule, as it did when this file imported them all.
 #
-# Two public functions share their name with the module that defines them: ``apply`` and
-# ``profile``. When a submodule is imported, the import system binds it on the package
-# (``setattr(vision_ckpt, "profile", <module>)``); ``_Package.__setattr__`` drops that binding
-# for a name of ``_LAZY``, so ``vision_ckpt.profile`` stays the function whoever imports the
-# module ``vision_ckpt.profile`` first. The module itself is always in ``sys.modules``.
+# The modules live in subpackages (``vision_ckpt.regions.apply``, ``vision_ckpt.tune.profile``),
+# so no public function shares its name with a module of the package itself.
 # The ``TYPE_CHECKING`` imports give type checkers the same names; tests/test_public_api.py
 # checks that they, ``_LAZY`` and ``__all__`` agree.
 
@@ -26,13 +23,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from . import _torch_floor
 from ._version import __version__ as __version__
-from .config import (
+from .config.levels import (
+    Level as Level,
+    is_checkpointed as is_checkpointed,
+    parse_level as parse_level,
+)
+from .config.schema import (
     CheckpointConfig as CheckpointConfig,
     KeepOps as KeepOps,
     LevelRule as LevelRule,
@@ -45,22 +45,26 @@ from .errors import (
     VisionCkptError as VisionCkptError,
     VisionCkptInternalError as VisionCkptInternalError,
 )
-from .levels import (
-    Level as Level,
-    is_checkpointed as is_checkpointed,
-    parse_level as parse_level,
-)
 
 _torch_floor.require_torch()  # torch older than the floor fails here, with how to upgrade
 
 if TYPE_CHECKING:
-    from ._core import (
-        checkpoint as checkpoint,
-        checkpoint_sequential as checkpoint_sequential,
-        is_recomputing as is_recomputing,
-        set_checkpoint_debug_enabled as set_checkpoint_debug_enabled,
+    from .config.presets import (
+        list_presets as list_presets,
+        load_preset as load_preset,
+        preset_for_model as preset_for_model,
+        register_preset as register_preset,
     )
-    from .apply import (
+    from .measure.models import (
+        ModelSpecError as ModelSpecError,
+        build_model as build_model,
+    )
+    from .measure.peak import (
+        PeakReport as PeakReport,
+        physical_floor as physical_floor,
+        where_peak as where_peak,
+    )
+    from .regions.apply import (
         CheckpointPlan as CheckpointPlan,
         PlanEntry as PlanEntry,
         apply as apply,
@@ -68,32 +72,29 @@ if TYPE_CHECKING:
         plan as plan,
         remove as remove,
     )
-    from .derive import (
+    from .runtime._core import (
+        checkpoint as checkpoint,
+        checkpoint_sequential as checkpoint_sequential,
+        is_recomputing as is_recomputing,
+        set_checkpoint_debug_enabled as set_checkpoint_debug_enabled,
+    )
+    from .runtime.wrapper import (
+        ActivationCheckpointing as ActivationCheckpointing,
+        get_training_level as get_training_level,
+        set_training_level as set_training_level,
+        training_level as training_level,
+    )
+    from .tune.derive import (
         DerivedLevel as DerivedLevel,
         DerivedPreset as DerivedPreset,
         derive_preset as derive_preset,
     )
-    from .fit import (
+    from .tune.fit import (
         FitResult as FitResult,
         FitRow as FitRow,
         max_batch as max_batch,
     )
-    from .models import (
-        ModelSpecError as ModelSpecError,
-        build_model as build_model,
-    )
-    from .peak import (
-        PeakReport as PeakReport,
-        physical_floor as physical_floor,
-        where_peak as where_peak,
-    )
-    from .presets import (
-        list_presets as list_presets,
-        load_preset as load_preset,
-        preset_for_model as preset_for_model,
-        register_preset as register_preset,
-    )
-    from .profile import (
+    from .tune.profile import (
         BudgetPlan as BudgetPlan,
         LevelProfile as LevelProfile,
         ProfileResult as ProfileResult,
@@ -102,51 +103,45 @@ if TYPE_CHECKING:
         profile as profile,
         suggest_level as suggest_level,
     )
-    from .wrapper import (
-        ActivationCheckpointing as ActivationCheckpointing,
-        get_training_level as get_training_level,
-        set_training_level as set_training_level,
-        training_level as training_level,
-    )
 
 # Public names that need torch, and the module that defines each (see NOTE [ Lazy package ]).
 _LAZY: dict[str, str] = {
-    "checkpoint": "_core",
-    "checkpoint_sequential": "_core",
-    "is_recomputing": "_core",
-    "set_checkpoint_debug_enabled": "_core",
-    "DerivedLevel": "derive",
-    "DerivedPreset": "derive",
-    "derive_preset": "derive",
-    "CheckpointPlan": "apply",
-    "PlanEntry": "apply",
-    "apply": "apply",
-    "apply_preset": "apply",
-    "plan": "apply",
-    "remove": "apply",
-    "FitResult": "fit",
-    "FitRow": "fit",
-    "max_batch": "fit",
-    "ModelSpecError": "models",
-    "build_model": "models",
-    "PeakReport": "peak",
-    "physical_floor": "peak",
-    "where_peak": "peak",
-    "list_presets": "presets",
-    "load_preset": "presets",
-    "preset_for_model": "presets",
-    "register_preset": "presets",
-    "BudgetPlan": "profile",
-    "LevelProfile": "profile",
-    "ProfileResult": "profile",
-    "Suggestion": "profile",
-    "plan_for_budget": "profile",
-    "profile": "profile",
-    "suggest_level": "profile",
-    "ActivationCheckpointing": "wrapper",
-    "get_training_level": "wrapper",
-    "set_training_level": "wrapper",
-    "training_level": "wrapper",
+    "checkpoint": "runtime._core",
+    "checkpoint_sequential": "runtime._core",
+    "is_recomputing": "runtime._core",
+    "set_checkpoint_debug_enabled": "runtime._core",
+    "DerivedLevel": "tune.derive",
+    "DerivedPreset": "tune.derive",
+    "derive_preset": "tune.derive",
+    "CheckpointPlan": "regions.apply",
+    "PlanEntry": "regions.apply",
+    "apply": "regions.apply",
+    "apply_preset": "regions.apply",
+    "plan": "regions.apply",
+    "remove": "regions.apply",
+    "FitResult": "tune.fit",
+    "FitRow": "tune.fit",
+    "max_batch": "tune.fit",
+    "ModelSpecError": "measure.models",
+    "build_model": "measure.models",
+    "PeakReport": "measure.peak",
+    "physical_floor": "measure.peak",
+    "where_peak": "measure.peak",
+    "list_presets": "config.presets",
+    "load_preset": "config.presets",
+    "preset_for_model": "config.presets",
+    "register_preset": "config.presets",
+    "BudgetPlan": "tune.profile",
+    "LevelProfile": "tune.profile",
+    "ProfileResult": "tune.profile",
+    "Suggestion": "tune.profile",
+    "plan_for_budget": "tune.profile",
+    "profile": "tune.profile",
+    "suggest_level": "tune.profile",
+    "ActivationCheckpointing": "runtime.wrapper",
+    "get_training_level": "runtime.wrapper",
+    "set_training_level": "runtime.wrapper",
+    "training_level": "runtime.wrapper",
 }
 
 __all__ = [
@@ -218,15 +213,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """The package's module type: see NOTE [ Lazy package ] for why it filters ``setattr``."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType):
-            return  # the import system binding submodule vision_ckpt.apply/.profile
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

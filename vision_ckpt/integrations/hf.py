@@ -78,10 +78,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from vision_ckpt.apply import CheckpointPlan, apply, as_config, plan, remove, self_checkpointing
 from vision_ckpt.config import CheckpointConfig, LevelRule
+from vision_ckpt.config.levels import Level, parse_level
 from vision_ckpt.errors import ConfigError
-from vision_ckpt.levels import Level, parse_level
+from vision_ckpt.regions.apply import (
+    CheckpointPlan,
+    apply,
+    as_config,
+    plan,
+    remove,
+    self_checkpointing,
+)
 
 __all__ = ["enable_checkpointing", "disable_checkpointing", "hf_checkpointing_on"]
 
@@ -332,7 +339,7 @@ def _level_for_budget(
             "the model's steps on (a few rows are enough: larger batches are extrapolated, "
             "batch_size=... says which); or give level=0..5 instead of a budget."
         )
-    from vision_ckpt.profile import suggest_level  # the profiler is loaded only for budgets
+    from vision_ckpt.tune.profile import suggest_level  # the profiler is loaded only for budgets
 
     suggestion = suggest_level(model, example_input, budget, batch_size, config=cfg)
     if suggestion.level is None:

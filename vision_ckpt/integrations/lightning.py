@@ -63,11 +63,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         'pip install "vision_ckpt[lightning]" (the lightning package, 2.5 or newer).'
     ) from None
 
-from vision_ckpt.apply import CheckpointPlan, apply, as_config, remove
 from vision_ckpt.config import CheckpointConfig
+from vision_ckpt.config.levels import Level, parse_level
+from vision_ckpt.config.presets import preset_for_model
 from vision_ckpt.errors import ConfigError
-from vision_ckpt.levels import Level, parse_level
-from vision_ckpt.presets import preset_for_model
+from vision_ckpt.regions.apply import CheckpointPlan, apply, as_config, remove
 
 __all__ = ["CheckpointingCallback"]
 
@@ -308,8 +308,8 @@ class CheckpointingCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, target: nn.Module
     ) -> tuple[CheckpointConfig, str]:
         """``preset: derived``: levels derived on the example input by the global-zero process
-        (``vision_ckpt.derive.resolve_derived``), broadcast to the others."""
-        from vision_ckpt.derive import resolve_derived  # measured only here
+        (``vision_ckpt.tune.derive.resolve_derived``), broadcast to the others."""
+        from vision_ckpt.tune.derive import resolve_derived  # measured only here
 
         example = self.example_input
         if example is None:
@@ -332,7 +332,7 @@ class CheckpointingCallback(Callback):
     def _measure(
         self, trainer: Trainer, target: nn.Module, example: torch.Tensor, budget: int | str
     ) -> tuple[CheckpointConfig | None, str]:
-        from vision_ckpt.profile import plan_for_budget, suggest_level  # measured only here
+        from vision_ckpt.tune.profile import plan_for_budget, suggest_level  # measured only here
 
         device = trainer.strategy.root_device
         target.to(device)  # the strategy moves the whole module there next anyway

@@ -10,7 +10,7 @@ import enum
 import numbers
 from typing import Literal
 
-from .errors import LevelError
+from ..errors import LevelError
 
 __all__ = ["Level", "parse_level", "is_checkpointed", "is_group", "Nesting", "NESTING_MODES"]
 

@@ -71,11 +71,11 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
+from ..config.levels import NESTING_MODES, Level, Nesting, is_checkpointed, is_group, parse_level
+from ..config.schema import KeepOps
+from ..errors import ConfigError
 from . import _core
 from ._selective import bind_region
-from .config import KeepOps
-from .errors import ConfigError
-from .levels import NESTING_MODES, Level, Nesting, is_checkpointed, is_group, parse_level
 
 __all__ = [
     "ActivationCheckpointing",
@@ -83,7 +83,7 @@ __all__ = [
     "set_training_level",
     "get_training_level",
 ]
-# Used by the install layer (vision_ckpt._install), not re-exported by the package:
+# Used by the install layer (vision_ckpt.regions._install), not re-exported by the package:
 # Rung, Policy, choose_rung, nests, lean_now, run_policy, run_segments, segment_size, ChainCall,
 # compile_note.
 

@@ -2,10 +2,10 @@
 
 Everything here runs real training steps (forward, loss, backward, optionally an optimizer step)
 of the user's model on the user's input and counts memory in bytes of live tensor storage (see
-``vision_ckpt._memory``), so the figures on CPU are the same on every run. On CUDA the budget
-questions are decided on the CUDA allocator's ``max_memory_allocated`` of real warmed-up steps,
-``max_memory_reserved`` is reported beside it, and a plan predicted to fit is confirmed by a real
-step at the target batch (NOTE [ Two meters ] in ``vision_ckpt._measure``).
+``vision_ckpt.measure._memory``), so the figures on CPU are the same on every run. On CUDA the
+budget questions are decided on the CUDA allocator's ``max_memory_allocated`` of real warmed-up
+steps, ``max_memory_reserved`` is reported beside it, and a plan predicted to fit is confirmed by a
+real step at the target batch (NOTE [ Two meters ] in ``vision_ckpt.measure._measure``).
 
 NOTE [ Measuring without the memory of the largest level ]
 
@@ -19,15 +19,16 @@ the most expensive, and with ``memory_limit`` stops before a level whose extrapo
 exceed it, reporting that instead of running it.
 
 This module is the public face; the work is split by job into private modules:
-``vision_ckpt._measure`` (one training step: memory, FLOPs and time, and the ``Workload`` that
-carries the model, input, loss and optimizer), ``vision_ckpt._extrapolate`` (a larger batch's
-peak from smaller ones), ``vision_ckpt._search`` (uniform levels: :func:`profile`,
-:func:`suggest_level`) and ``vision_ckpt._planner`` (per block: :func:`plan_for_budget`).
+``vision_ckpt.measure._measure`` (one training step: memory, FLOPs and time, and the
+``Workload`` that carries the model, input, loss and optimizer),
+``vision_ckpt.measure._extrapolate`` (a larger batch's peak from smaller ones),
+``vision_ckpt.tune._search`` (uniform levels: :func:`profile`, :func:`suggest_level`) and
+``vision_ckpt.tune._planner`` (per block: :func:`plan_for_budget`).
 """
 
 from __future__ import annotations
 
-from ._measure import FitCheck as FitCheck, LossFn as LossFn, default_loss as default_loss
+from ..measure._measure import FitCheck as FitCheck, LossFn as LossFn, default_loss as default_loss
 from ._planner import (
     STRATEGIES as STRATEGIES,
     BudgetPlan as BudgetPlan,

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .config import LevelRule
 from .matching import ModuleMatcher, exact_name_pattern, later_siblings, qualified_class_name
+from .schema import LevelRule
 
 __all__ = ["selecting", "timm_architecture", "timm_original", "wrapper_rules"]
 

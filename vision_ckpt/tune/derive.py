@@ -1,13 +1,13 @@
 """Levels derived by measurement, for a model nobody wrote a preset for (issue 26).
 
 :func:`derive_preset` traces one forward to find the model's candidate regions
-(``vision_ckpt._spans``), prices every way of running each of them at the target batch with
-the per-block planner's measurements (``vision_ckpt._planner``), and solves the planner's
+(``vision_ckpt.tune._spans``), prices every way of running each of them at the target batch with
+the per-block planner's measurements (``vision_ckpt.tune._planner``), and solves the planner's
 program at five memory goals between no checkpointing and the least memory the menus reach.
 Each level keeps what the level below checkpoints (the plan only grows with the level), so the
 five answers are one preset: rules in the bundled presets' vocabulary, readable, editable and
 applied like any other. Every level is measured, and the model's physical floor
-(``vision_ckpt.peak``) says how far each is from the best any region plan could do.
+(``vision_ckpt.measure.peak``) says how far each is from the best any region plan could do.
 
 See NOTE [ Regions from a trace ] for the spans the derivation offers, NOTE [ Five levels from
 one menu ] for how the levels are chosen, and docs/derive.md for measurements.
@@ -25,20 +25,25 @@ import torch
 import yaml
 from torch import nn
 
-from ._extrapolate import extrapolated_peak, peak_measurer, predict_from_timelines, small_batches
-from ._measure import LossFn, Workload, applied, default_loss, model_restored
-from ._memory import format_bytes
+from ..config.levels import Level
+from ..config.matching import exact_name_pattern
+from ..config.presets import fallback_rules, preset_for_model
+from ..config.schema import CheckpointConfig, LevelRule
+from ..errors import ConfigError, internal_assert
+from ..measure._extrapolate import (
+    extrapolated_peak,
+    peak_measurer,
+    predict_from_timelines,
+    small_batches,
+)
+from ..measure._measure import LossFn, Workload, applied, default_loss, model_restored
+from ..measure._memory import format_bytes
+from ..measure.peak import physical_floor
+from ..regions.apply import plan, run_members
+from ..runtime.wrapper import training_level
 from ._optimise import Block, Choice, Option, Span as ChainSpan, choose, predict
 from ._planner import Menus, least_memory, measure_menus
 from ._spans import Span, trace_spans
-from .apply import plan, run_members
-from .config import CheckpointConfig, LevelRule
-from .errors import ConfigError, internal_assert
-from .levels import Level
-from .matching import exact_name_pattern
-from .peak import physical_floor
-from .presets import fallback_rules, preset_for_model
-from .wrapper import training_level
 
 __all__ = [
     "DerivedLevel",
@@ -637,7 +642,7 @@ class DerivedPreset:
     base_time: float
     """Modelled seconds per step with no checkpointing at the batch (extrapolated)."""
     floor: int | None = None
-    """The physical floor at the batch (``vision_ckpt.peak``), extrapolated from the small
+    """The physical floor at the batch (``vision_ckpt.measure.peak``), extrapolated from the small
     batches; ``None`` if not measured."""
     seconds: float = 0.0
     """Wall time of the derivation."""

@@ -52,8 +52,8 @@ from typing import Any
 
 import torch
 
-from . import _compat
-from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
+from .. import _compat
+from .._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
 
 __all__ = [
     "SavedBytes",
@@ -166,7 +166,7 @@ def count_saved_bytes(
     (also those inside lists, tuples and dicts) as saved variables while the enclosing hooks are
     active, so each distinct input tensor reaches this pack hook once per call (see NOTE
     [ Nested checkpoints ] and NOTE [ Inputs are captured at call time ] in
-    ``vision_ckpt._core``). What the core holds by plain Python reference (RNG states,
+    ``vision_ckpt.runtime._core``). What the core holds by plain Python reference (RNG states,
     non-tensor arguments) never reaches a pack hook; use :func:`track_peak_memory` for all the
     memory held between forward and backward.
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import VisionCkptError
+from ..errors import VisionCkptError
 
 __all__ = [
     "ModelSpecError",
@@ -123,7 +123,7 @@ def parse_spec(text: str) -> ModelSpec:
     >>> parse_spec("smp:Unet(encoder_name=__import__('os'))")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    vision_ckpt.models.ModelSpecError: model spec "smp:Unet(encoder_name=__import__('os'))": ...
+    vision_ckpt.measure.models.ModelSpecError: model spec "smp:Unet(encoder_name=...
     """
     stripped = text.strip()
     head, colon, _ = stripped.partition("(")[0].partition(":")
@@ -318,7 +318,7 @@ def build_model(spec: str | ModelSpec, *, img_size: int | None = None) -> Any:
     >>> build_model("tim:resnet18")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    vision_ckpt.models.ModelSpecError: model spec 'tim:resnet18': cannot import module 'tim' ...
+    vision_ckpt.measure.models.ModelSpecError: model spec 'tim:resnet18': cannot import ...
     """
     if isinstance(spec, str):
         spec = parse_spec(spec)
@@ -389,7 +389,7 @@ def parse_input_shape(text: str) -> tuple[int, ...]:
     >>> parse_input_shape("224,224")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    vision_ckpt.models.ModelSpecError: input shape '224,224' has 2 sizes; expected C,H,W ...
+    vision_ckpt.measure.models.ModelSpecError: input shape '224,224' has 2 sizes; expected C,H,W ...
     """
     try:
         sizes = tuple(int(v) for v in text.replace("x", ",").split(","))
@@ -477,7 +477,7 @@ def output_loss(output: Any) -> Any:
 def _has_float(value: Any) -> bool:
     import torch
 
-    from ._compat import tree_leaves
+    from .._compat import tree_leaves
 
     return any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_leaves(value))
 

@@ -50,11 +50,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError, PresetMismatchWarning
 from ._fallback import fallback_rules
 from ._features import selecting, timm_architecture, timm_original, wrapper_rules
-from .config import CheckpointConfig, LevelRule, PresetFamily, PresetFile
-from .errors import ConfigError, PresetMismatchWarning
 from .matching import compile_type_pattern
+from .schema import CheckpointConfig, LevelRule, PresetFamily, PresetFile
 
 __all__ = [
     "list_presets",
@@ -82,7 +82,7 @@ def presets_dir() -> Path:
     >>> presets_dir().name
     'presets'
     """
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the package's folder
     for candidate in (here / "configs" / "presets", here.parent / "configs" / "presets"):
         if candidate.is_dir():
             return candidate

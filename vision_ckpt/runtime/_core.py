@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _torch_ckpt
 
-from . import _compat
-from ._compat import disable_current_modes, tree_flatten, tree_unflatten
-from .errors import CheckpointError, internal_assert
+from .. import _compat
+from .._compat import disable_current_modes, tree_flatten, tree_unflatten
+from ..errors import CheckpointError, internal_assert
 
 __all__ = [
     "checkpoint",
@@ -731,7 +731,7 @@ def _user_frame() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if "/torch/" not in path and not path.endswith("vision_ckpt/_core.py"):
+        if "/torch/" not in path and not path.endswith("vision_ckpt/runtime/_core.py"):
             return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"

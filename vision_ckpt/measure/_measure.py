@@ -25,12 +25,12 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ._compat import tree_leaves
-from ._install import installed, reinstall
+from .._compat import tree_leaves
+from ..config.schema import CheckpointConfig
+from ..errors import VisionCkptError
+from ..regions._install import installed, reinstall
+from ..regions.apply import ConfigLike, apply as _apply_config, as_config
 from ._memory import count_saved_bytes, format_bytes, track_peak_memory
-from .apply import ConfigLike, apply as _apply_config, as_config
-from .config import CheckpointConfig
-from .errors import VisionCkptError
 
 __all__ = [
     "LossFn",
@@ -195,11 +195,11 @@ class FitCheck:
 # NOTE [ Two meters ]
 #
 # A budget is a number of bytes the user's device must hold during a step. Off CUDA, the
-# deciding figure is the byte tracker's peak (``vision_ckpt._memory.track_peak_memory``): live
-# tensor storage, the same on every run. On CUDA what runs out is the caching allocator, whose
-# ``max_memory_allocated`` also holds what the tracker cannot see: cuDNN and cuBLAS workspaces,
-# each block rounded up, scratch tensors freed inside an operator, and every tensor on the device
-# that no root handed to the tracker. So on CUDA:
+# deciding figure is the byte tracker's peak
+# (``vision_ckpt.measure._memory.track_peak_memory``): live tensor storage, the same on every run.
+# On CUDA what runs out is the caching allocator, whose ``max_memory_allocated`` also holds what the
+# tracker cannot see: cuDNN and cuBLAS workspaces, each block rounded up, scratch tensors freed
+# inside an operator, and every tensor on the device that no root handed to the tracker. So on CUDA:
 #
 # 1. The deciding figure is ``max_memory_allocated`` of a real step, warmed up: the same batch
 #    has run once just before (cuDNN's autotuning, cuBLAS's workspace and the optimizer state

@@ -4,7 +4,7 @@ NOTE [ The largest batch from a few small ones ]
 
 A training step runs the same operators whatever the batch, and the bytes live after each one
 are affine in the batch (NOTE [ Predicting the peak of a larger batch ] in
-``vision_ckpt._extrapolate``): ``live_i(B) = a_i + s_i * B``. The step peak at ``B`` is the
+``vision_ckpt.measure._extrapolate``): ``live_i(B) = a_i + s_i * B``. The step peak at ``B`` is the
 largest of them, a convex function of ``B``, so the batches that fit a budget form an interval
 and its top end has a closed form: ``min over s_i > 0 of (budget - a_i) / s_i``, rounded down.
 Each operator's line is drawn through the timelines of the two larger measured batches (a
@@ -32,7 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._measure import (
+from ..config.levels import parse_level
+from ..config.schema import CheckpointConfig, parse_memory_budget
+from ..errors import ConfigError
+from ..measure._measure import (
     LossFn,
     Workload,
     applied,
@@ -41,13 +44,10 @@ from ._measure import (
     measure_time,
     model_restored,
 )
-from ._memory import format_bytes
+from ..measure._memory import format_bytes
+from ..measure.models import output_loss, own_switch as find_own_switch, parse_input_shape
+from ..runtime.wrapper import training_level
 from ._planner import level_signature
-from .config import CheckpointConfig, parse_memory_budget
-from .errors import ConfigError
-from .levels import parse_level
-from .models import output_loss, own_switch as find_own_switch, parse_input_shape
-from .wrapper import training_level
 
 __all__ = ["FitRow", "FitResult", "max_batch"]
 
@@ -331,7 +331,8 @@ def max_batch(
         config: level rules (default: the model's preset, or the structural fallback).
         batches: the small batches measured; the third checks linearity.
         margin: share of the budget kept free.
-        loss_fn: the loss (default :func:`vision_ckpt.models.output_loss`, fitted to the output).
+        loss_fn: the loss (default :func:`vision_ckpt.measure.models.output_loss`, fitted to
+            the output).
         optimizer: if given, each step runs it too (its state counts).
         time_steps: timed steps per batch (median, after a warm-up); 0 skips timing.
         linear_tolerance: largest relative miss of the third batch's peak still called linear.

@@ -25,14 +25,13 @@ from typing import Any, Literal
 
 from torch import nn
 
-from ._install import install, install_chain, uninstall
-from ._lean import lean_mlp_problem
-from ._selective import SaveOps
-from .config import CheckpointConfig, KeepOps, LevelRule
-from .errors import ConfigError
-from .levels import Level, is_checkpointed, parse_level
-from .matching import ModuleMatcher, later_siblings, qualified_class_name
-from .wrapper import (
+from ..config.levels import Level, is_checkpointed, parse_level
+from ..config.matching import ModuleMatcher, later_siblings, qualified_class_name
+from ..config.schema import CheckpointConfig, KeepOps, LevelRule
+from ..errors import ConfigError
+from ..runtime._lean import lean_mlp_problem
+from ..runtime._selective import SaveOps
+from ..runtime.wrapper import (
     Policy,
     Rung,
     get_training_level,
@@ -40,6 +39,7 @@ from .wrapper import (
     rung_within,
     segment_size,
 )
+from ._install import install, install_chain, uninstall
 
 __all__ = [
     "PlanEntry",
@@ -333,7 +333,7 @@ def _has_forward(module: nn.Module) -> bool:
 
 def _preset_rules(model: nn.Module, preset: str) -> list[tuple[LevelRule, str]]:
     # Imported on first use: plans that name no preset never load the YAML registry.
-    from . import presets
+    from ..config import presets
 
     return list(presets.preset_rules(model, preset))
 
@@ -401,14 +401,14 @@ def _check_plannable(cfg: CheckpointConfig) -> None:
     if cfg.training_checkpoint_level == "auto":
         raise ConfigError(
             f"training_checkpoint_level 'auto' (memory_budget {cfg.memory_budget!r}) cannot be "
-            "applied directly: plan it first with vision_ckpt.profile.resolve_auto(model, "
+            "applied directly: plan it first with vision_ckpt.tune.profile.resolve_auto(model, "
             "example_input, config), which returns the fastest per-block config that fits, "
             "and apply that; or give a level 0-5."
         )
     if cfg.preset == "derived":
         raise ConfigError(
             "preset 'derived' is measured on an input, so it cannot be planned from the model "
-            "alone: resolve it first with vision_ckpt.derive.resolve_derived(model, "
+            "alone: resolve it first with vision_ckpt.tune.derive.resolve_derived(model, "
             "example_input, config) (cached per model class and input shape) and apply what "
             "it returns; or write the derived preset once with `vision-ckpt derive --out` and "
             "register it."

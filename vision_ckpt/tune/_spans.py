@@ -65,10 +65,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._compat import tree_leaves
-from ._install import passable
-from ._lean import lean_mlp_call_problem
-from ._measure import model_restored
+from .._compat import tree_leaves
+from ..measure._measure import model_restored
+from ..regions._install import passable
+from ..runtime._lean import lean_mlp_call_problem
 
 __all__ = ["Span", "SpanKind", "trace_spans"]
 

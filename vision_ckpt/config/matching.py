@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = [
     "compile_name_pattern",

@@ -5,7 +5,7 @@ Uniform levels are coarse: a budget between two levels forces the costlier one o
 The planner prices, for every candidate block, each way of running it (keep its activations,
 selective, full checkpoint, full with its inner regions checkpointed again) by the bytes it
 keeps and the *measured* time of the work it adds, then picks one per block with the dynamic
-program of ``vision_ckpt._optimise`` and checks the answer by measuring it: see NOTE [ Pricing
+program of ``vision_ckpt.tune._optimise`` and checks the answer by measuring it: see NOTE [ Pricing
 the strategies of a block ] below and NOTE [ One strategy per block ] in ``_optimise``.
 """
 
@@ -20,9 +20,13 @@ from typing import Any
 
 import torch
 
-from ._compat import TorchDispatchMode
-from ._extrapolate import extrapolated_peak, peak_measurer, small_batches
-from ._measure import (
+from .._compat import TorchDispatchMode
+from ..config.levels import Level
+from ..config.matching import exact_name_pattern
+from ..config.schema import CheckpointConfig, LevelRule, parse_memory_budget
+from ..errors import ConfigError
+from ..measure._extrapolate import extrapolated_peak, peak_measurer, small_batches
+from ..measure._measure import (
     FitCheck,
     LossFn,
     Workload,
@@ -34,17 +38,13 @@ from ._measure import (
     run_step,
     step_time as measure_step_time,
 )
-from ._memory import count_saved_bytes, format_bytes
+from ..measure._memory import count_saved_bytes, format_bytes
+from ..measure._price import cheap_product_flops, modelled_step_seconds, op_seconds
+from ..regions.apply import plan as _plan, run_members
+from ..runtime._selective import HEAVY_OPS, SaveOps
+from ..runtime.wrapper import training_level
 from ._optimise import Block, Choice, Option, Span, choose, predict
-from ._price import cheap_product_flops, modelled_step_seconds, op_seconds
 from ._search import check_margin
-from ._selective import HEAVY_OPS, SaveOps
-from .apply import plan as _plan, run_members
-from .config import CheckpointConfig, LevelRule, parse_memory_budget
-from .errors import ConfigError
-from .levels import Level
-from .matching import exact_name_pattern
-from .wrapper import training_level
 
 __all__ = [
     "BudgetPlan",
@@ -1016,7 +1016,7 @@ def plan_for_budget(
     layers) it measures, at two small batches, the bytes each strategy keeps and the time of the
     work it adds, on the model's own device (NOTE [ Pricing the strategies of a block ]); picks
     one strategy per block minimising the predicted step time under the budget (NOTE [ One
-    strategy per block ] in ``vision_ckpt._optimise``); then measures the answer at the small
+    strategy per block ] in ``vision_ckpt.tune._optimise``); then measures the answer at the small
     batches and, if its extrapolated peak is over, corrects the model and solves again.
 
     Args:

@@ -3,7 +3,7 @@
 Subcommands: ``profile`` (memory and time per level), ``plan`` (which modules a level
 checkpoints), ``suggest`` (a level for a memory budget), ``fit`` (the largest batch per level
 for a memory budget), ``presets`` and ``schema``. ``--model`` takes a timm name or a factory
-spec (``vision_ckpt.models``), ``--input-shape`` one sample's C,H,W or C,D,H,W.
+spec (``vision_ckpt.measure.models``), ``--input-shape`` one sample's C,H,W or C,D,H,W.
 Every error is one line on stderr and a non-zero exit code: 2 for bad arguments or configs,
 1 when the measurement itself fails (and for ``suggest`` when no level fits).
 """
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._version import __version__
-from .errors import ConfigError, LevelError
+from .._version import __version__
+from ..errors import ConfigError, LevelError
 
 __all__ = ["main"]
 
@@ -54,7 +54,7 @@ def _level_range(text: str) -> list[int]:
 def _create_model(args: argparse.Namespace, device: str) -> Any:
     import torch
 
-    from .models import build_model, parse_input_shape
+    from ..measure.models import build_model, parse_input_shape
 
     if device == "cuda" and not torch.cuda.is_available():
         raise _UsageError("--device cuda was given but torch sees no CUDA device")
@@ -70,7 +70,7 @@ def _input_shape(args: argparse.Namespace, model: Any, console: Any = None) -> t
     """``--input-shape``, else ``--img-size`` on the model's channels, else what the model says
     it takes; a model that says nothing gets 3,224,224 with a note (a MONAI network must be
     told: it may be 2D or 3D)."""
-    from .models import default_input_shape, parse_input_shape, parse_spec
+    from ..measure.models import default_input_shape, parse_input_shape, parse_spec
 
     if args.input_shape is not None:
         if args.img_size is not None:
@@ -105,7 +105,7 @@ def _input_for(shape: tuple[int, ...], batch_size: int, device: str) -> Any:
 def _load_config(path: str | None) -> Any:
     if path is None:
         return None
-    from .config import CheckpointConfig
+    from ..config.schema import CheckpointConfig
 
     return CheckpointConfig.from_file(path)
 
@@ -117,8 +117,8 @@ def _resolved(
     on two small batches of synthetic input); any other config as it is."""
     if config is None or config.preset != "derived":
         return config
-    from .derive import resolve_derived
-    from .models import output_loss
+    from ..measure.models import output_loss
+    from ..tune.derive import resolve_derived
 
     with console.status(f"deriving levels for the model at batch {batch}"):
         started = time.perf_counter()
@@ -142,7 +142,7 @@ def _console() -> Any:
 
 
 def _fmt_bytes(value: int | None) -> str:
-    from ._memory import format_bytes
+    from ..measure._memory import format_bytes
 
     return "-" if value is None else format_bytes(value)
 
@@ -161,7 +161,7 @@ def _profile_table(result: Any) -> Any:
     table.add_column("step time", justify="right")
     table.add_column("slowdown", justify="right")
     has_cuda = any(e.cuda_peak_bytes is not None for e in result.levels)
-    if has_cuda:  # the allocator's figures (NOTE [ Two meters ] in vision_ckpt._measure)
+    if has_cuda:  # the allocator's figures (NOTE [ Two meters ] in vision_ckpt.measure._measure)
         table.add_column("cuda allocated", justify="right")
         table.add_column("cuda reserved", justify="right")
     table.add_column("frontier")
@@ -244,11 +244,11 @@ def _plot(result: Any, path: str, planned: list[dict[str, Any]] | None = None) -
 def _cmd_profile(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from .profile import profile
+    from ..tune.profile import profile
 
     levels = _level_range(args.levels)
     config = _load_config(args.config)
-    from .models import output_loss
+    from ..measure.models import output_loss
 
     model = _create_model(args, args.device)
     console = _console()
@@ -276,14 +276,14 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     console.print(_profile_table(result))
     floor = None
     if args.floor:
-        from .peak import physical_floor
+        from ..measure.peak import physical_floor
 
         with console.status(f"measuring the physical floor of {args.model}"):
             floor = physical_floor(model, x, output_loss)
         console.print(_floor_line(floor, result))
     planned: list[dict[str, Any]] = []
     if args.frontier:
-        from .profile import planner_frontier
+        from ..tune.profile import planner_frontier
 
         with console.status(f"pricing the blocks of {args.model} for the per-block planner"):
             planned = planner_frontier(model, x, config=config, loss_fn=output_loss)
@@ -324,9 +324,9 @@ def _frontier_table(result: Any, planned: list[dict[str, Any]]) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .apply import plan as make_plan
-    from .config import CheckpointConfig
-    from .wrapper import training_level
+    from ..config.schema import CheckpointConfig
+    from ..regions.apply import plan as make_plan
+    from ..runtime.wrapper import training_level
 
     config = _load_config(args.config) or CheckpointConfig(preset="auto")
     model = _create_model(args, "cpu")
@@ -337,8 +337,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_suggest(args: argparse.Namespace) -> int:
-    from .models import output_loss
-    from .profile import plan_for_budget, suggest_level
+    from ..measure.models import output_loss
+    from ..tune.profile import plan_for_budget, suggest_level
 
     config = _load_config(args.config)
     model = _create_model(args, args.device)
@@ -465,7 +465,7 @@ def _plan_report(result: Any) -> dict[str, Any]:
 def _cmd_fit(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .fit import max_batch
+    from ..tune.fit import max_batch
 
     levels = _level_range(args.levels)
     config = _load_config(args.config)
@@ -539,8 +539,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 def _cmd_derive(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .derive import derive_preset
-    from .models import output_loss
+    from ..measure.models import output_loss
+    from ..tune.derive import derive_preset
 
     model = _create_model(args, args.device)
     console = _console()
@@ -641,7 +641,7 @@ def _fmt_seconds(value: float | None) -> str:
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
-    from . import presets
+    from ..config import presets
 
     for name in presets.list_presets(args.filter):
         print(name)
@@ -649,7 +649,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
-    from .config import CheckpointConfig
+    from ..config.schema import CheckpointConfig
 
     print(json.dumps(CheckpointConfig.json_schema(), indent=2))
     return 0

@@ -13,8 +13,11 @@ from typing import Any
 
 import torch
 
-from ._extrapolate import extrapolated_peak, peak_measurer, predict_peak
-from ._measure import (
+from ..config.levels import parse_level
+from ..config.schema import CheckpointConfig, parse_memory_budget
+from ..errors import ConfigError
+from ..measure._extrapolate import extrapolated_peak, peak_measurer, predict_peak
+from ..measure._measure import (
     FitCheck,
     LossFn,
     StepMemory,
@@ -30,10 +33,7 @@ from ._measure import (
     model_restored,
     run_step,
 )
-from .config import CheckpointConfig, parse_memory_budget
-from .errors import ConfigError
-from .levels import parse_level
-from .wrapper import training_level
+from ..runtime.wrapper import training_level
 
 __all__ = [
     "LevelProfile",
@@ -71,7 +71,7 @@ class LevelProfile:
     """``1 - peak / peak at level 0``: the share of level 0's step peak this level saves."""
     cuda_peak_bytes: int | None = None
     """On CUDA: ``torch.cuda.max_memory_allocated`` of a warmed-up step, the figure budgets are
-    decided on there (NOTE [ Two meters ] in ``vision_ckpt._measure``)."""
+    decided on there (NOTE [ Two meters ] in ``vision_ckpt.measure._measure``)."""
     cuda_reserved_bytes: int | None = None
     """On CUDA: ``torch.cuda.max_memory_reserved`` of the same step."""
     skipped: str | None = None
@@ -176,7 +176,7 @@ class Suggestion:
     """The smallest predicted peak over the levels tried."""
     meter: str = "bytes"
     """What the peaks count: ``bytes`` (the byte tracker) or ``cuda allocator``
-    (``max_memory_allocated``, NOTE [ Two meters ] in ``vision_ckpt._measure``)."""
+    (``max_memory_allocated``, NOTE [ Two meters ] in ``vision_ckpt.measure._measure``)."""
     reserved: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     """On CUDA, per level, (batch size, ``max_memory_reserved``) of the measured steps."""
     check: FitCheck | None = None
@@ -189,7 +189,7 @@ class Suggestion:
         return self.level is not None
 
     def explain(self) -> str:
-        from ._memory import format_bytes
+        from ..measure._memory import format_bytes
 
         rejected = "".join(
             f"; level {lv} was predicted to fit, but its {c.explain()}"
@@ -375,7 +375,8 @@ def suggest_level(
     ``predicted * (1 + margin) <= budget``. On CUDA the peaks are the allocator's
     (``max_memory_allocated`` of warmed-up steps) and the lowest level predicted to fit is then
     run once at ``batch_size`` to confirm it; if its real step allocates more than ``budget``,
-    the next level predicted to fit is tried (NOTE [ Two meters ] in ``vision_ckpt._measure``).
+    the next level predicted to fit is tried (NOTE [ Two meters ] in
+    ``vision_ckpt.measure._measure``).
     Elsewhere the target batch is never run.
 
     Args:

@@ -48,7 +48,7 @@ from pydantic import (
     model_validator,
 )
 
-from .errors import ConfigError, LevelError
+from ..errors import ConfigError, LevelError
 from .levels import Level, parse_level
 from .matching import compile_name_pattern, compile_type_pattern
 
@@ -491,7 +491,7 @@ class CheckpointConfig(_Schema):
     checkpointed. ``null`` follows the global level (``vision_ckpt.set_training_level`` /
     ``vision_ckpt.training_level``), which can change between steps. ``auto`` picks the level
     that fits ``memory_budget``, per block (needs the profiler: see
-    ``vision_ckpt.profile.resolve_auto``, and ``suggest_level`` for one uniform level)."""
+    ``vision_ckpt.tune.profile.resolve_auto``, and ``suggest_level`` for one uniform level)."""
 
     memory_budget: str | int | None = None
     """Activation memory allowed to the run, for ``training_checkpoint_level: auto`` only:

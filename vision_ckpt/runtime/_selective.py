@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from . import _compat, _core
-from ._compat import TorchDispatchMode, tree_leaves
-from .config import KeepOps
-from .errors import ConfigError
+from .. import _compat
+from .._compat import TorchDispatchMode, tree_leaves
+from ..config.schema import KeepOps
+from ..errors import ConfigError
+from . import _core
 
 __all__ = ["HEAVY_OPS", "SaveOps", "bind_region", "flops_per_output"]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from .config import LevelRule
-from .errors import ConfigError
+from ..errors import ConfigError
 from .levels import Level
 from .matching import exact_name_pattern
+from .schema import LevelRule
 
 __all__ = ["FALLBACK_ORIGIN", "fallback_rules"]
 

@@ -1,6 +1,6 @@
 """An exact MLP backward that holds one hidden-size tensor fewer: a rule's ``lean: true``.
 
-Knows nothing of levels; :mod:`vision_ckpt._install` decides when a module runs this way.
+Knows nothing of levels; :mod:`vision_ckpt.regions._install` decides when a module runs this way.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _compat
-from .errors import CheckpointError
+from .. import _compat
+from ..errors import CheckpointError
 
 __all__ = ["lean_mlp_problem", "lean_mlp_call_problem", "lean_mlp_forward"]
 

@@ -2,8 +2,8 @@
 
 A selected module gets an instance-level ``forward``: a small picklable object, not a module, so
 ``named_modules()``, the state dict and parameters stay those of the plain model. It holds the
-module's :class:`~vision_ckpt.wrapper.Policy` and decides at every call, as the wrapper does,
-whether to run the module's own forward through the checkpoint core.
+module's :class:`~vision_ckpt.runtime.wrapper.Policy` and decides at every call, as the
+wrapper does, whether to run the module's own forward through the checkpoint core.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._lean import lean_mlp_forward
-from .errors import CheckpointError, ConfigError
-from .wrapper import ChainCall, Policy, compile_note, lean_now, run_policy, run_segments
+from ..errors import CheckpointError, ConfigError
+from ..runtime._lean import lean_mlp_forward
+from ..runtime.wrapper import ChainCall, Policy, compile_note, lean_now, run_policy, run_segments
 
 __all__ = [
     "passable",

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ._compat import TorchDispatchMode, tree_leaves
+from .._compat import TorchDispatchMode, tree_leaves
+from ..runtime._selective import flops_per_output
 from ._measure import Workload, run_step
-from ._selective import flops_per_output
 
 __all__ = [
     "ModelledClock",

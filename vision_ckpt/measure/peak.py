@@ -14,15 +14,16 @@ levels (issue 26, docs/derive.md) builds on.
 
 # NOTE [ Peak attribution ]
 #
-# The tracker follows storages exactly as ``vision_ckpt._memory.track_peak_memory`` does (NOTE
-# [ What track_peak_memory counts ] there): a ``TorchDispatchMode`` counts each new output
-# storage of an aten operator that is not one of the operator's own argument storages, a weak
-# reference takes it off when it is freed, and the peak is taken after each operator's outputs
-# are counted, while its inputs are still alive. The roots (parameters, buffers, gradients and
-# the input) are live at entry. So ``PeakReport.peak_bytes`` equals that meter's
-# ``peak_bytes - start_bytes`` for the same step (tests/test_peak.py checks it). It is a copy of
-# those rules rather than a use, because the attribution needs a record per storage, which the
-# meter does not keep (it is another module's private class).
+# The tracker follows storages exactly as
+# ``vision_ckpt.measure._memory.track_peak_memory`` does (NOTE [ What track_peak_memory counts ]
+# there): a ``TorchDispatchMode`` counts each new output storage of an aten operator that is not one
+# of the operator's own argument storages, a weak reference takes it off when it is freed, and the
+# peak is taken after each operator's outputs are counted, while its inputs are still alive. The
+# roots (parameters, buffers, gradients and the input) are live at entry. So
+# ``PeakReport.peak_bytes`` equals that meter's ``peak_bytes - start_bytes`` for the same step
+# (tests/test_peak.py checks it). It is a copy of those rules rather than a use, because the
+# attribution needs a record per storage, which the meter does not keep (it is another module's
+# private class).
 #
 # Each storage's record is made when it is created and says who made it:
 #
@@ -82,13 +83,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
-from ._core import is_recomputing
+from .._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
+from ..config.schema import CheckpointConfig
+from ..errors import ConfigError
+from ..regions.apply import ConfigLike, as_config
+from ..runtime._core import is_recomputing
 from ._measure import applied, default_loss, model_restored
 from ._memory import format_bytes
-from .apply import ConfigLike, as_config
-from .config import CheckpointConfig
-from .errors import ConfigError
 
 __all__ = ["LiveGroup", "Floor", "PeakReport", "where_peak", "physical_floor"]
 
@@ -99,7 +100,7 @@ _LOSS = "(loss)"
 _RECOMPUTATION = "(recomputation)"
 _PARAM_GRADS = "(parameter gradients)"
 _INPUT = "(before the step)"
-_NODE_KEY = "vision_ckpt.peak.module"
+_NODE_KEY = "vision_ckpt.measure.peak.module"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,7 @@
+"""Regions on a model: rules compiled to regions, recorded by ``plan`` and installed by ``apply``.
+
+``apply`` decides, from a config and a model, which modules are checkpointed at which level and
+how (``plan``), and puts that on the model or takes it off (``apply``, ``apply_preset``,
+``remove``); ``_install`` holds the forwards it installs. It imports the config and the
+runtime, never the measurement or tuning layers.
+"""
