@@ -1,6 +1,6 @@
 """Derived levels against the hand-tuned presets, the structural fallback and timm's switch.
 
-For each model: ``vision_ckpt.derive_preset`` at the batch (its own measurements: small
+For each model: ``vision_ckpt.tune.derive_preset`` at the batch (its own measurements: small
 batches), then every variant runs real steps at the batch, side by side in one process:
 
 - ``L0``: no checkpointing;

@@ -1,6 +1,6 @@
 """The largest batch that fits 12 GiB and 24 GiB: every level against the library's own switch.
 
-For each model (random weights, synthetic input, no optimizer) ``vision_ckpt.max_batch`` runs
+For each model (random weights, synthetic input, no optimizer) ``vision_ckpt.tune.max_batch`` runs
 training steps (forward, the output's loss from
 ``vision_ckpt.measure.models.output_loss``, backward)
 at a few small batches on **CPU**, counts the live tensor bytes after every operator with
@@ -79,7 +79,7 @@ def run(name: str, levels: list[int], time_steps: int | None) -> dict:
     model = build_model(spec)
     started = time.perf_counter()
     # Measured once; each budget is a solve over the same measurements (FitResult.for_budget).
-    fit = vision_ckpt.max_batch(
+    fit = vision_ckpt.tune.max_batch(
         model,
         shape,
         BUDGETS["24GiB"],

@@ -44,7 +44,7 @@ from torch import nn
 
 import vision_ckpt
 from vision_ckpt.measure._memory import track_peak_memory
-from vision_ckpt.tune.profile import default_loss, plan_for_budget
+from vision_ckpt.tune.profiling import default_loss, plan_for_budget
 
 MB = 2**20
 SHARES = (0.25, 0.5, 0.75)

@@ -3,7 +3,7 @@ the derived levels?
 
 A plan is a config file (``benchmarks/plans/*.yaml``: rules and a training level), optionally
 on top of the model's derived preset up to one of its levels (``--derived K``, derived at the
-batch first, as ``vision_ckpt.derive_preset`` does). Each plan runs real steps at the batch
+batch first, as ``vision_ckpt.tune.derive_preset`` does). Each plan runs real steps at the batch
 beside level 0 in one process:
 
 - peak: live tensor storage above the step's start (``track_peak_memory``, deterministic);

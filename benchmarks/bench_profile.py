@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         example = torch.randn(2, 3, args.img_size, args.img_size)
         target = batch_of(example, args.batch_size)
 
-        suggestion = vision_ckpt.suggest_level(
+        suggestion = vision_ckpt.tune.suggest_level(
             model, example, "1TiB", batch_size=args.batch_size, levels=levels
         )
         measured = {lv: measured_peak(model, target, config, lv) for lv in levels}
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
         budget = (measured[0] + min(measured.values())) // 2
         uniform = min(lv for lv in levels if measured[lv] <= budget)
-        plan = vision_ckpt.plan_for_budget(
+        plan = vision_ckpt.tune.plan_for_budget(
             model, example, budget, batch_size=args.batch_size, margin=0.0
         )
         if plan.config is None:

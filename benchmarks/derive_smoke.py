@@ -113,7 +113,7 @@ def check(entry: str) -> dict[str, object]:
     model, shape, batch = _model_and_input(entry)
     model.train()
     example = torch.randn(2, *shape)
-    found = vision_ckpt.derive_preset(model, example, batch, loss_fn=output_loss, floor=False)
+    found = vision_ckpt.tune.derive_preset(model, example, batch, loss_fn=output_loss, floor=False)
     peaks = [found.peak0] + [lv.peak for lv in found.levels]
     if any(b > a for a, b in zip(peaks, peaks[1:], strict=False)):
         raise AssertionError(f"a level's peak rose above the level below's: {peaks}")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vision_ckpt import physical_floor
+from vision_ckpt.measure import physical_floor
 from vision_ckpt.measure._extrapolate import predict_from_timelines, small_batches
 from vision_ckpt.measure.models import output_loss
 

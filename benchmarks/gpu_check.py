@@ -909,7 +909,7 @@ def check_suggest(
 ) -> list[dict]:
     import vision_ckpt
     from vision_ckpt.config import parse_memory_budget
-    from vision_ckpt.tune.profile import plan_for_budget, suggest_level
+    from vision_ckpt.tune.profiling import plan_for_budget, suggest_level
 
     rows = []
     x, _ = _data(2, args.image, args.device)
@@ -1140,7 +1140,7 @@ def _derived_exact(
 
 
 def check_derive(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
-    from vision_ckpt import derive_preset
+    from vision_ckpt.tune import derive_preset
 
     rows = []
     for name in args.derive_models:

@@ -503,7 +503,7 @@ def test_auto_level_is_refused_until_the_profiler_picks_it():
     with pytest.raises(
         ConfigError,
         match=r"'auto' \(memory_budget '1GiB'\) cannot be applied directly"
-        r".*vision_ckpt\.tune\.profile\.resolve_auto",
+        r".*vision_ckpt\.tune\.resolve_auto",
     ):
         apply(make("vit"), cfg)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vision_ckpt import ModelSpecError, build_model
 from vision_ckpt.cli.main import main
+from vision_ckpt.measure import ModelSpecError, build_model
 from vision_ckpt.measure.models import (
     default_input_shape,
     output_loss,

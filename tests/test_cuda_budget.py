@@ -28,7 +28,7 @@ from vision_ckpt.measure._measure import (
     meter_for,
     model_restored,
 )
-from vision_ckpt.tune.profile import plan_for_budget, profile, suggest_level
+from vision_ckpt.tune.profiling import plan_for_budget, profile, suggest_level
 
 MiB = 2**20
 GiB = 2**30

@@ -1,4 +1,4 @@
-"""Levels derived by measurement (issue 26): ``vision_ckpt.derive_preset`` and ``vision-ckpt
+"""Levels derived by measurement (issue 26): ``vision_ckpt.tune.derive_preset`` and ``vision-ckpt
 derive``. Exactness of every derived level is the oracle, as for the bundled presets; the
 regions come from the trace alone, so a hand-built model with no preset derives too."""
 
@@ -15,10 +15,10 @@ from _models import TinyViT, UpTransition
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt import derive_preset
 from vision_ckpt.cli.main import main
 from vision_ckpt.errors import ConfigError
 from vision_ckpt.measure._price import cheap_product_flops
+from vision_ckpt.tune import derive_preset
 from vision_ckpt.tune._optimise import Block, Option, Span
 from vision_ckpt.tune._planner import least_memory
 from vision_ckpt.tune.derive import regions_of
@@ -58,7 +58,7 @@ class _Net(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def derived() -> tuple[nn.Module, vision_ckpt.DerivedPreset]:
+def derived() -> tuple[nn.Module, vision_ckpt.tune.DerivedPreset]:
     torch.manual_seed(0)
     model = _Net()
     found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16)
@@ -271,8 +271,8 @@ def test_the_floor_at_the_target_is_the_operator_that_sets_it_there() -> None:
         nn.GELU(),
         nn.Linear(2048, 64),
     )
-    small = [vision_ckpt.physical_floor(net, torch.randn(b, 32, 1024)) for b in (2, 4)]
-    at_16 = vision_ckpt.physical_floor(net, torch.randn(16, 32, 1024))
+    small = [vision_ckpt.measure.physical_floor(net, torch.randn(b, 32, 1024)) for b in (2, 4)]
+    at_16 = vision_ckpt.measure.physical_floor(net, torch.randn(16, 32, 1024))
     assert small[0].operator == small[1].operator != at_16.operator == "aten.gelu_backward.default"
     found = derive_preset(net, torch.randn(2, 32, 1024), batch_size=16)
     assert found.floor == at_16.floor_bytes
@@ -325,7 +325,7 @@ def test_cli_derive_prints_the_levels_and_writes_the_preset(
     printed = capsys.readouterr().out
     assert rc == 0
     assert "derived levels at batch 16" in printed and "x floor" in printed
-    assert out.read_text().startswith("# Derived by vision_ckpt.derive_preset")
+    assert out.read_text().startswith("# Derived by vision_ckpt.tune.derive_preset")
     model = timm.create_model("resnet18", pretrained=False, num_classes=10)
     vision_ckpt.register_preset("derived_resnet18", out)
     plan = vision_ckpt.plan(model, {"preset": "derived_resnet18", "training_checkpoint_level": 5})

@@ -1,4 +1,4 @@
-"""``vision_ckpt.max_batch`` (issue 27): the largest batch whose step peak fits a budget, per
+"""``vision_ckpt.tune.max_batch`` (issue 27): the largest batch whose step peak fits a budget, per
 level and for the library's own switch, solved from a few small batches.
 
 - the batch it finds fits and one more does not, measured with the same meter at that batch;
@@ -41,7 +41,7 @@ def _real_peak(model: nn.Module, level: int, batch: int) -> int:
 def test_the_largest_batch_fits_and_one_more_does_not() -> None:
     model = _resnet()
     budget = 128 * 2**20
-    fit = vision_ckpt.max_batch(model, (3, 32, 32), budget, levels=[0, 5], time_steps=0)
+    fit = vision_ckpt.tune.max_batch(model, (3, 32, 32), budget, levels=[0, 5], time_steps=0)
     assert [r.label for r in fit.rows] == [
         "level 0",
         "level 5",
@@ -75,7 +75,7 @@ class _Gram(nn.Module):
 
 def test_a_step_not_linear_in_the_batch_is_flagged() -> None:
     config = CheckpointConfig(rules=[{"match": "conv", "level": 3}])
-    fit = vision_ckpt.max_batch(
+    fit = vision_ckpt.tune.max_batch(
         _Gram(), (3, 4, 4), "64MiB", levels=[0], config=config, time_steps=0
     )
     row = fit.row("level 0")
@@ -87,8 +87,8 @@ def test_a_step_not_linear_in_the_batch_is_flagged() -> None:
 
 def test_another_budget_is_solved_from_the_same_measurements() -> None:
     model = _resnet()
-    fit = vision_ckpt.max_batch(model, "3,32,32", "128MiB", levels=[0, 4, 5], time_steps=0)
-    again = vision_ckpt.max_batch(model, (3, 32, 32), "192MiB", levels=[0, 4, 5], time_steps=0)
+    fit = vision_ckpt.tune.max_batch(model, "3,32,32", "128MiB", levels=[0, 4, 5], time_steps=0)
+    again = vision_ckpt.tune.max_batch(model, (3, 32, 32), "192MiB", levels=[0, 4, 5], time_steps=0)
     wider = fit.for_budget("192MiB")
     assert wider.budget_bytes == 192 * 2**20
     for a, b, c in zip(fit.rows, wider.rows, again.rows, strict=True):
@@ -103,7 +103,7 @@ def test_another_budget_is_solved_from_the_same_measurements() -> None:
 def test_the_model_comes_back_as_it_was_and_time_is_predicted() -> None:
     model = _resnet()
     before = copy.deepcopy(model.state_dict())
-    fit = vision_ckpt.max_batch(model, (3, 32, 32), "128MiB", levels=[3], time_steps=1)
+    fit = vision_ckpt.tune.max_batch(model, (3, 32, 32), "128MiB", levels=[3], time_steps=1)
     assert fit.row("level 3").time_per_sample_s > 0
     assert fit.to_dict()["best_level"] == 3
     after = model.state_dict()
@@ -129,7 +129,7 @@ def test_the_model_comes_back_as_it_was_and_time_is_predicted() -> None:
 def test_bad_arguments_say_what_was_expected(kwargs, message) -> None:
     args = {"input_shape": (3, 32, 32), "budget": "1GiB"} | kwargs
     with pytest.raises(vision_ckpt.VisionCkptError, match=message):
-        vision_ckpt.max_batch(_resnet(), **args)
+        vision_ckpt.tune.max_batch(_resnet(), **args)
 
 
 def test_the_planner_row_plans_at_the_best_levels_batch() -> None:
@@ -140,7 +140,7 @@ def test_the_planner_row_plans_at_the_best_levels_batch() -> None:
         ]
     )
     torch.manual_seed(0)
-    fit = vision_ckpt.max_batch(
+    fit = vision_ckpt.tune.max_batch(
         TinyViT(img=32, depth=6), (3, 32, 32), "8MiB", levels=[0, 3], config=config, planner=True
     )
     best, planner = fit.best_level(), fit.row("planner")

@@ -55,7 +55,7 @@ LAYERS: list[set[str]] = [
     {"tune._optimise", "tune._spans"},
     {"tune._search"},
     {"tune._planner"},
-    {"tune.profile", "tune.fit"},
+    {"tune.profiling", "tune.fit"},
     {"tune.derive"},
     {"tune"},
     {"integrations.lightning", "integrations.hf"},

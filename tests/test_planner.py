@@ -24,7 +24,7 @@ from vision_ckpt import CheckpointConfig, ConfigError
 from vision_ckpt.cli.main import main
 from vision_ckpt.measure._memory import track_peak_memory
 from vision_ckpt.tune._optimise import Block, Option, Span, choose, choose_exhaustively, predict
-from vision_ckpt.tune.profile import default_loss, plan_for_budget, planner_frontier, resolve_auto
+from vision_ckpt.tune.profiling import default_loss, plan_for_budget, planner_frontier, resolve_auto
 
 
 def _per_block(result):
@@ -361,9 +361,7 @@ def test_resolve_auto_plans_for_the_configs_budget() -> None:
     model = _six_blocks()
     budget = _budget(model, 0.5)
     auto = CONFIG.model_copy(update={"training_checkpoint_level": "auto", "memory_budget": budget})
-    with pytest.raises(
-        ConfigError, match="plan it first with vision_ckpt.tune.profile.resolve_auto"
-    ):
+    with pytest.raises(ConfigError, match="plan it first with vision_ckpt.tune.resolve_auto"):
         vision_ckpt.apply(model, auto)
     planned = resolve_auto(model, _x(), auto, batch_size=8)
     assert planned.training_checkpoint_level == 3 and planned.memory_budget is None
@@ -513,7 +511,7 @@ def test_never_slower_than_a_uniform_level_at_batch_32(name) -> None:
 
     model = timm.create_model(name, pretrained=False)
     x = torch.randn(4, 3, 224, 224)
-    suggestion = vision_ckpt.suggest_level(model, x, "1TiB", batch_size=32)
+    suggestion = vision_ckpt.tune.suggest_level(model, x, "1TiB", batch_size=32)
     peaks = suggestion.predicted_peak
     low, high = min(peaks.values()), peaks[0]
     for share in (0.2, 0.5, 0.8):

@@ -7,10 +7,10 @@ import timm
 import torch
 
 import vision_ckpt
-from vision_ckpt import profile, suggest_level
 from vision_ckpt.measure._measure import Workload, batch_of, measure_memory
 from vision_ckpt.measure._memory import track_peak_memory
-from vision_ckpt.tune.profile import default_loss, plan_for_budget
+from vision_ckpt.tune import profile, suggest_level
+from vision_ckpt.tune.profiling import default_loss, plan_for_budget
 
 
 def _mobilenet() -> torch.nn.Module:

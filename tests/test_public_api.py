@@ -46,7 +46,7 @@ def test_presets_are_listed_from_the_package() -> None:
         "vision_ckpt.config.matching",
         "vision_ckpt.measure.models",
         "vision_ckpt.config.presets",
-        "vision_ckpt.tune.profile",
+        "vision_ckpt.tune.profiling",
         "vision_ckpt.runtime.wrapper",
     ],
 )
@@ -95,16 +95,17 @@ def test_config_is_usable_without_importing_torch() -> None:
 
 def test_every_exported_name_imports_in_a_fresh_interpreter() -> None:
     """``from vision_ckpt import X`` and ``dir()`` for every name, and the functions ``apply``
-    and ``profile`` stay functions when their modules are imported first."""
+    and ``tune.profile`` stay functions when their modules are imported first."""
     out = _run(
         """
         import importlib, types
-        import vision_ckpt.regions.apply, vision_ckpt.tune.profile
+        import vision_ckpt.regions.apply, vision_ckpt.tune.profiling
         import vision_ckpt
         assert callable(vision_ckpt.apply) and not isinstance(vision_ckpt.apply, types.ModuleType)
-        assert callable(vision_ckpt.profile)
-        assert not isinstance(vision_ckpt.profile, types.ModuleType)
-        assert importlib.import_module("vision_ckpt.tune.profile").profile is vision_ckpt.profile
+        assert callable(vision_ckpt.tune.profile)
+        assert not isinstance(vision_ckpt.tune.profile, types.ModuleType)
+        profiling = importlib.import_module("vision_ckpt.tune.profiling")
+        assert profiling.profile is vision_ckpt.tune.profile
         for name in vision_ckpt.__all__:
             exec(f"from vision_ckpt import {name}")
         assert set(vision_ckpt.__all__) <= set(dir(vision_ckpt))

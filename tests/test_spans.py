@@ -305,7 +305,7 @@ def test_traced_attention_with_sizes_derives_without_a_broken_run(recwarn) -> No
     # stopped at that call on every step, warning each time
     torch.manual_seed(0)
     model = timm.create_model("pvt_v2_b0", pretrained=False, num_classes=10)
-    found = vision_ckpt.derive_preset(model, torch.randn(2, 3, 64, 64), 8, floor=False)
+    found = vision_ckpt.tune.derive_preset(model, torch.randn(2, 3, 64, 64), 8, floor=False)
     for level in range(1, 6):
         m = copy.deepcopy(model)
         apply(m, found.config(level))

@@ -14,7 +14,7 @@ checkpointed exactly when ``1 <= block level <= training level``.
 # ``dir(vision_ckpt)`` behave as with eager imports, and ``vision_ckpt.<submodule>`` imports
 # the submodule, as it did when this file imported them all.
 #
-# The modules live in subpackages (``vision_ckpt.regions.apply``, ``vision_ckpt.tune.profile``),
+# The modules live in subpackages (``vision_ckpt.regions.apply``, ``vision_ckpt.tune.profiling``),
 # so no public function shares its name with a module of the package itself.
 # The ``TYPE_CHECKING`` imports give type checkers the same names; tests/test_public_api.py
 # checks that they, ``_LAZY`` and ``__all__`` agree.
@@ -55,15 +55,6 @@ if TYPE_CHECKING:
         preset_for_model as preset_for_model,
         register_preset as register_preset,
     )
-    from .measure.models import (
-        ModelSpecError as ModelSpecError,
-        build_model as build_model,
-    )
-    from .measure.peak import (
-        PeakReport as PeakReport,
-        physical_floor as physical_floor,
-        where_peak as where_peak,
-    )
     from .regions.apply import (
         CheckpointPlan as CheckpointPlan,
         PlanEntry as PlanEntry,
@@ -84,25 +75,6 @@ if TYPE_CHECKING:
         set_training_level as set_training_level,
         training_level as training_level,
     )
-    from .tune.derive import (
-        DerivedLevel as DerivedLevel,
-        DerivedPreset as DerivedPreset,
-        derive_preset as derive_preset,
-    )
-    from .tune.fit import (
-        FitResult as FitResult,
-        FitRow as FitRow,
-        max_batch as max_batch,
-    )
-    from .tune.profile import (
-        BudgetPlan as BudgetPlan,
-        LevelProfile as LevelProfile,
-        ProfileResult as ProfileResult,
-        Suggestion as Suggestion,
-        plan_for_budget as plan_for_budget,
-        profile as profile,
-        suggest_level as suggest_level,
-    )
 
 # Public names that need torch, and the module that defines each (see NOTE [ Lazy package ]).
 _LAZY: dict[str, str] = {
@@ -110,34 +82,16 @@ _LAZY: dict[str, str] = {
     "checkpoint_sequential": "runtime._core",
     "is_recomputing": "runtime._core",
     "set_checkpoint_debug_enabled": "runtime._core",
-    "DerivedLevel": "tune.derive",
-    "DerivedPreset": "tune.derive",
-    "derive_preset": "tune.derive",
     "CheckpointPlan": "regions.apply",
     "PlanEntry": "regions.apply",
     "apply": "regions.apply",
     "apply_preset": "regions.apply",
     "plan": "regions.apply",
     "remove": "regions.apply",
-    "FitResult": "tune.fit",
-    "FitRow": "tune.fit",
-    "max_batch": "tune.fit",
-    "ModelSpecError": "measure.models",
-    "build_model": "measure.models",
-    "PeakReport": "measure.peak",
-    "physical_floor": "measure.peak",
-    "where_peak": "measure.peak",
     "list_presets": "config.presets",
     "load_preset": "config.presets",
     "preset_for_model": "config.presets",
     "register_preset": "config.presets",
-    "BudgetPlan": "tune.profile",
-    "LevelProfile": "tune.profile",
-    "ProfileResult": "tune.profile",
-    "Suggestion": "tune.profile",
-    "plan_for_budget": "tune.profile",
-    "profile": "tune.profile",
-    "suggest_level": "tune.profile",
     "ActivationCheckpointing": "runtime.wrapper",
     "get_training_level": "runtime.wrapper",
     "set_training_level": "runtime.wrapper",
@@ -176,24 +130,6 @@ __all__ = [
     "load_preset",
     "preset_for_model",
     "register_preset",
-    "profile",
-    "suggest_level",
-    "plan_for_budget",
-    "ProfileResult",
-    "LevelProfile",
-    "Suggestion",
-    "BudgetPlan",
-    "max_batch",
-    "FitResult",
-    "FitRow",
-    "build_model",
-    "ModelSpecError",
-    "where_peak",
-    "physical_floor",
-    "PeakReport",
-    "derive_preset",
-    "DerivedPreset",
-    "DerivedLevel",
 ]
 
 

@@ -244,7 +244,7 @@ def _plot(result: Any, path: str, planned: list[dict[str, Any]] | None = None) -
 def _cmd_profile(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from ..tune.profile import profile
+    from ..tune.profiling import profile
 
     levels = _level_range(args.levels)
     config = _load_config(args.config)
@@ -283,7 +283,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         console.print(_floor_line(floor, result))
     planned: list[dict[str, Any]] = []
     if args.frontier:
-        from ..tune.profile import planner_frontier
+        from ..tune.profiling import planner_frontier
 
         with console.status(f"pricing the blocks of {args.model} for the per-block planner"):
             planned = planner_frontier(model, x, config=config, loss_fn=output_loss)
@@ -338,7 +338,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_suggest(args: argparse.Namespace) -> int:
     from ..measure.models import output_loss
-    from ..tune.profile import plan_for_budget, suggest_level
+    from ..tune.profiling import plan_for_budget, suggest_level
 
     config = _load_config(args.config)
     model = _create_model(args, args.device)

@@ -491,7 +491,7 @@ class CheckpointConfig(_Schema):
     checkpointed. ``null`` follows the global level (``vision_ckpt.set_training_level`` /
     ``vision_ckpt.training_level``), which can change between steps. ``auto`` picks the level
     that fits ``memory_budget``, per block (needs the profiler: see
-    ``vision_ckpt.tune.profile.resolve_auto``, and ``suggest_level`` for one uniform level)."""
+    ``vision_ckpt.tune.resolve_auto``, and ``suggest_level`` for one uniform level)."""
 
     memory_budget: str | int | None = None
     """Activation memory allowed to the run, for ``training_checkpoint_level: auto`` only:

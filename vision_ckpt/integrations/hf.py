@@ -163,7 +163,7 @@ def enable_checkpointing(
         config: a :class:`~vision_ckpt.CheckpointConfig`, a dict of its keys or a YAML/JSON
             path, applied as :func:`vision_ckpt.apply` does (its ``preset`` and ``rules``).
         memory_budget: a size such as ``"6GiB"``: the lowest level whose predicted peak fits is
-            chosen by :func:`vision_ckpt.suggest_level`, measured on ``example_input``. Also
+            chosen by :func:`vision_ckpt.tune.suggest_level`, measured on ``example_input``. Also
             used when ``config`` has ``training_checkpoint_level: auto``.
         example_input: a batch of ``pixel_values`` for ``memory_budget`` (a few rows are
             enough; larger batches are extrapolated).
@@ -339,7 +339,7 @@ def _level_for_budget(
             "the model's steps on (a few rows are enough: larger batches are extrapolated, "
             "batch_size=... says which); or give level=0..5 instead of a budget."
         )
-    from vision_ckpt.tune.profile import suggest_level  # the profiler is loaded only for budgets
+    from vision_ckpt.tune.profiling import suggest_level  # the profiler is loaded only for budgets
 
     suggestion = suggest_level(model, example_input, budget, batch_size, config=cfg)
     if suggestion.level is None:

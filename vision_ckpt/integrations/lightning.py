@@ -103,8 +103,8 @@ class CheckpointingCallback(Callback):
             ``example_input_array``.
         batch_size: the per-process batch size the budget is for (default: the example's).
         budget_plan: ``"level"``: the lowest uniform level that fits
-            (:func:`vision_ckpt.suggest_level`); ``"blocks"``: the fastest per-block mix of
-            strategies that fits (:func:`vision_ckpt.plan_for_budget`).
+            (:func:`vision_ckpt.tune.suggest_level`); ``"blocks"``: the fastest per-block mix of
+            strategies that fits (:func:`vision_ckpt.tune.plan_for_budget`).
         preset: with ``level`` or a budget: the preset, ``"auto"`` to pick it from the class.
         remove_at_teardown: give the network its own forwards back when ``fit`` ends.
         log_plan: log the plan's table (INFO, rank 0) besides the one-line summary.
@@ -332,7 +332,7 @@ class CheckpointingCallback(Callback):
     def _measure(
         self, trainer: Trainer, target: nn.Module, example: torch.Tensor, budget: int | str
     ) -> tuple[CheckpointConfig | None, str]:
-        from vision_ckpt.tune.profile import plan_for_budget, suggest_level  # measured only here
+        from vision_ckpt.tune.profiling import plan_for_budget, suggest_level  # measured only here
 
         device = trainer.strategy.root_device
         target.to(device)  # the strategy moves the whole module there next anyway

@@ -1,7 +1,7 @@
 """Predicting the step peak of a batch from measurements of smaller ones.
 
 See NOTE [ Predicting the peak of a larger batch ] below and NOTE [ Measuring without the memory
-of the largest level ] in ``vision_ckpt.profile`` for why the target batch is never run.
+of the largest level ] in ``vision_ckpt.tune.profile`` for why the target batch is never run.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A :class:`Workload` carries what every measurement runs (the model, an example b
 and the optimizer); the functions here run one step of it on a batch cut from the example and
 report what it cost. Setting a model up for measurement lives here too: applying a config for
 the duration of a measurement (:func:`applied`) and putting the model back as it was
-(:func:`model_restored`). ``vision_ckpt.profile`` builds the level search and the block
+(:func:`model_restored`). ``vision_ckpt.tune.profile`` builds the level search and the block
 planner on these.
 
 Which figure decides a budget depends on the device, and is chosen in one place,

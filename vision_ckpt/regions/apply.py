@@ -401,7 +401,7 @@ def _check_plannable(cfg: CheckpointConfig) -> None:
     if cfg.training_checkpoint_level == "auto":
         raise ConfigError(
             f"training_checkpoint_level 'auto' (memory_budget {cfg.memory_budget!r}) cannot be "
-            "applied directly: plan it first with vision_ckpt.tune.profile.resolve_auto(model, "
+            "applied directly: plan it first with vision_ckpt.tune.resolve_auto(model, "
             "example_input, config), which returns the fastest per-block config that fits, "
             "and apply that; or give a level 0-5."
         )

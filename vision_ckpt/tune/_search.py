@@ -2,7 +2,7 @@
 level that fits a memory budget (:func:`suggest_level`).
 
 Every level is measured on the same applied config, switching only the global training level;
-see NOTE [ Measuring without the memory of the largest level ] in ``vision_ckpt.profile``.
+see NOTE [ Measuring without the memory of the largest level ] in ``vision_ckpt.tune.profile``.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def profile(
 
     >>> import torch, timm, vision_ckpt
     >>> model = timm.create_model("resnet18", pretrained=False, num_classes=10)
-    >>> result = vision_ckpt.profile(model, torch.randn(2, 3, 32, 32), levels=[0, 5], steps=1)
+    >>> result = vision_ckpt.tune.profile(model, torch.randn(2, 3, 32, 32), levels=[0, 5], steps=1)
     >>> r0, r5 = result.level(0), result.level(5)
     >>> r5.saved_bytes < r0.saved_bytes
     True
@@ -397,7 +397,7 @@ def suggest_level(
     >>> import torch, timm, vision_ckpt
     >>> model = timm.create_model("resnet18", pretrained=False, num_classes=10)
     >>> x = torch.randn(4, 3, 32, 32)
-    >>> s = vision_ckpt.suggest_level(model, x, "1GiB", batch_size=8, levels=[0, 5])
+    >>> s = vision_ckpt.tune.suggest_level(model, x, "1GiB", batch_size=8, levels=[0, 5])
     >>> s.level
     0
     """

@@ -682,7 +682,7 @@ class DerivedPreset:
             if isinstance(rule.get("level"), int):
                 rule["level"] = int(rule["level"])
         head = (
-            f"# Derived by vision_ckpt.derive_preset for {self.model_class} at batch "
+            f"# Derived by vision_ckpt.tune.derive_preset for {self.model_class} at batch "
             f"{self.batch_size}, input {list(self.input_shape)}.\n"
             + "".join(
                 f"# level {lv.level}: "

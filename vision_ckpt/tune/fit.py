@@ -8,7 +8,7 @@ are affine in the batch (NOTE [ Predicting the peak of a larger batch ] in
 largest of them, a convex function of ``B``, so the batches that fit a budget form an interval
 and its top end has a closed form: ``min over s_i > 0 of (budget - a_i) / s_i``, rounded down.
 Each operator's line is drawn through the timelines of the two larger measured batches (a
-plain step under the byte counter, the same meter as :func:`vision_ckpt.profile`).
+plain step under the byte counter, the same meter as :func:`vision_ckpt.tune.profile`).
 
 Linearity is checked, not assumed: the lines through the two *smaller* batches predict the
 third batch's peak, and the relative miss is reported (``FitRow.linear_error``); above
@@ -325,7 +325,7 @@ def max_batch(
         include_own_switch: also measure the library's own checkpointing (timm
             ``set_grad_checkpointing``, Hugging Face ``activation_checkpointing_enable``,
             MONAI ``use_checkpoint``) with the same meter, as the row ``own switch (...)``.
-        planner: also run :func:`vision_ckpt.plan_for_budget` at the best level's batch and
+        planner: also run :func:`vision_ckpt.tune.plan_for_budget` at the best level's batch and
             report its predicted time there (row ``planner``); it measures batches of 1/8 and
             1/4 of that batch, so it is off by default.
         config: level rules (default: the model's preset, or the structural fallback).
@@ -345,7 +345,7 @@ def max_batch(
 
     >>> import timm, vision_ckpt
     >>> model = timm.create_model("resnet18", pretrained=False, num_classes=10)
-    >>> fit = vision_ckpt.max_batch(model, (3, 32, 32), "256MiB", levels=[0, 5], time_steps=0)
+    >>> fit = vision_ckpt.tune.max_batch(model, (3, 32, 32), "256MiB", levels=[0, 5], time_steps=0)
     >>> fit.row("level 5").max_batch > fit.row("level 0").max_batch > 8
     True
     >>> fit.row("own switch").label
