@@ -15,14 +15,30 @@ from pathlib import Path
 import pytest
 
 import vision_ckpt
+import vision_ckpt.measure
+import vision_ckpt.tune
 from vision_ckpt import _torch_floor
 
+_PUBLIC = [
+    *(("vision_ckpt", n) for n in vision_ckpt.__all__),
+    *(("vision_ckpt.tune", n) for n in vision_ckpt.tune.__all__),
+    *(("vision_ckpt.measure", n) for n in vision_ckpt.measure.__all__),
+]
 
-@pytest.mark.parametrize("name", vision_ckpt.__all__)
-def test_every_exported_name_exists_and_is_documented(name: str) -> None:
-    obj = getattr(vision_ckpt, name)
+
+@pytest.mark.parametrize(("package", "name"), _PUBLIC, ids=[f"{p}.{n}" for p, n in _PUBLIC])
+def test_every_exported_name_exists_and_is_documented(package: str, name: str) -> None:
+    obj = getattr(importlib.import_module(package), name)
     if name != "__version__":
-        assert (obj.__doc__ or "").strip(), f"vision_ckpt.{name} has no docstring"
+        assert (obj.__doc__ or "").strip(), f"{package}.{name} has no docstring"
+
+
+def test_the_top_level_is_the_missions_api() -> None:
+    """The wrapper, the training level, configs and rules, plan/apply/remove, presets, the
+    checkpoint function and errors; the tuning tools live in ``vision_ckpt.tune``."""
+    assert len(vision_ckpt.__all__) <= 31
+    assert not set(vision_ckpt.tune.__all__) & set(vision_ckpt.__all__)
+    assert not set(vision_ckpt.measure.__all__) & set(vision_ckpt.__all__)
 
 
 def test_presets_are_listed_from_the_package() -> None:
