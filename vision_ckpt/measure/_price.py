@@ -38,31 +38,22 @@ __all__ = [
 # NOTE [ A modelled price ]
 #
 # An operator's modelled seconds are max(flops / F, bytes / B): the roofline of a device that
-# does F multiply-adds' worth of FLOPs a second and moves B bytes a second. flops counts
-# convolutions, matrix products and fused attention, forward and backward (op_flops); bytes
-# are every tensor the operator reads and writes (its tensor arguments and results), and a
-# view moves none: neither one the schema says is a view nor aten._unsafe_view, which returns
-# its argument's storage but is no view in the schema (autograd need not track it); a product
-# on tokens of three dimensions returns through it. Priced as a copy, it was 9% of LeViT-128's
-# modelled training step and took 0.1% of the measured one. So a norm or an activation costs
-# by the bytes it streams and a convolution by its FLOPs, which is what decides on both CPUs
-# and GPUs which recomputation is cheap.
+# does F FLOPs a second and moves B bytes a second. flops counts convolutions, matrix products
+# and fused attention, forward and backward (op_flops); bytes are every tensor the operator
+# reads and writes (its tensor arguments and results). A view moves nothing: neither one the
+# schema calls a view nor aten._unsafe_view, which returns its argument's storage without being
+# a view in the schema (products on three-dimensional tokens return through it; priced as a
+# copy, it would dominate token models' modelled steps for no measured time). So a norm or an
+# activation costs the bytes it streams and a convolution its FLOPs, which is what decides, on
+# CPUs and GPUs alike, which recomputation is cheap.
 #
-# Only the ratio F / B changes which plan is fastest; the scale only makes the figures
-# readable as seconds. The CPU figures were measured on this project's 2-core machine, one
-# thread, over the operators of a training step of ResNet-50, ViT-S/16 and ConvNeXt-T at batch
-# 8 (benchmarks/price_calibration.py): 97-271 GFLOP/s for the heavy operators, 5.0-7.5 GB/s
-# for the rest. Over ten models at batch 32 (price_calibration) they pool to 97 GFLOP/s and
-# 12.2 GB/s, a ratio of 7.9 against the price's 14, but the ratio is no constant of the CPU:
-# per model it runs from 2.7 (EfficientViT-B0, whose depthwise convolutions do 45 GFLOP/s) to
-# 14.3 (ResNet-50, whose batch norms stream 3.5 GB/s). Priced at the pooled rates, 12 of the
-# 14 models of docs/derive.md derive other plans at batch 32 (DenseNet-121 and VNet do not),
-# yet on the clock the levels of LeViT-128, EfficientViT-B0 and FastViT-T8 so derived cost
-# what the present ones cost, within -1% and +3% at levels 2 and 5, and 1.15x against 1.01x
-# at FastViT-T8's level 1 (price_rates_b32): a roofline with one pair of rates orders these
-# plans no better for being fitted, so the rates stay. The CUDA figures are an H100's
-# data-sheet order for FP32/TF32 work and HBM (not measured here); their ratio is within a
-# factor of two of the CPU's.
+# Invariants: the price depends only on shapes, dtypes and the operators run, so a model is
+# priced the same on every run; and only the ratio F / B changes which plan is fastest (the
+# scale only makes the figures readable as seconds). The CPU rates were measured on one machine
+# (benchmarks/price_calibration.py); fitted per model, the ratio varies several-fold with the
+# operator mix (depthwise convolutions, batch norms), and fitted rates ordered derived plans no
+# better on the clock (results: price_calibration, price_rates_b32), so one pair stays. The CUDA
+# rates are a data sheet's order for FP32/TF32 work and HBM, not measured.
 
 _RATES: dict[str, tuple[float, float]] = {
     "cpu": (1.0e11, 7.0e9),

@@ -410,87 +410,53 @@ def _size(model: nn.Module, span: Span, inner: dict[str, list[Span]]) -> int:
 #
 # The planner's menus (NOTE [ Pricing the strategies of a block ] in _planner) are measured once
 # at the target batch: per unit, the bytes and seconds of keep / selective / full / nested, and
-# per stage of selective as one region. The seconds are modelled from FLOPs and bytes (NOTE [ A
-# modelled price ] in _price), not timed: bytes are counted and seconds modelled, so a model
-# derives the same preset on every run, however busy the machine. Its program (NOTE [ One
-# strategy per block ] in _optimise) gives, for any memory goal, the fastest mix predicted to
-# fit.
+# per stage of selective as one region. Bytes are counted and seconds modelled from FLOPs and
+# bytes (NOTE [ A modelled price ] in _price), never timed, so a model derives the same preset
+# on every run. The program (NOTE [ One strategy per block ] in _optimise) gives, for a memory
+# goal, the fastest mix predicted to fit.
 #
-# The top mix is the fastest within _TOP_SLACK of the least memory the menus reach: the last
-# few percent cost a second recomputation everywhere. The low end of the curve is measured
-# first: Ptop is the least step peak of the top mix, the least-memory mix, and that mix with
-# its stacks as sqrt(n) groups (ResNet-50 at batch 32: 941, 914 and 739 MiB; groups are priced
-# by no menu). Levels 1-3 are the fastest mixes under goals spaced in the logarithm of the
-# *measured* peak between no checkpointing (P0) and Ptop:
+# The curve is spaced on measured peaks. Ptop, the least *measured* step peak among the top mix
+# (the fastest within _TOP_SLACK of the least memory the menus reach), the least-memory mix and
+# that mix with its stacks as groups, anchors the low end; levels 1-3 are the fastest mixes
+# under goal(k) = P0 * (Ptop / P0) ** _SPACING[k]. Measured, because where a step peaks outside
+# what the blocks keep the program's least memory lies under every plan's real peak, and goals
+# spaced towards it would each buy a recomputation for no memory. Lean MLPs are decided before
+# Ptop is measured (from level 4, where they lower it by _EXTRA_GAIN), since they can be what
+# moves it.
 #
-#     goal(k) = P0 * (Ptop / P0) ** _SPACING[k]
+# Levels 2 and 3 keep the size table's promise: each goes at least as low as its anchor, the
+# measured peak of its row (NOTE [ The size table's rows ]) checkpointed alone, where the model
+# has a row of that size holding more than the row below; an anchored level moves the spaced
+# levels above it. Level 5 is the least memory the menus reach from level 4, with every stage
+# recomputed whole (its blocks checkpointed again inside) as a candidate.
 #
-# Measured, not the program's peak of that mix: where the step peaks outside what the blocks
-# keep (ConvNeXt-T at batch 32: a stage-0 MLP's backward), the program's least memory sits far
-# below any plan's measured peak (530 MiB predicted against 935 measured), goals spaced
-# towards it all land under that floor, and levels 2-4 each bought a second recomputation for
-# the same measured peak. Lean MLPs (no region: the MLP's first layer and activation computed
-# again in its backward) are decided before that measurement, on from level 4 where they lower
-# the top mix's measured peak by _EXTRA_GAIN: on ConvNeXt-T they are what moves that peak (935
-# to 788 MiB), so levels chosen without them were spaced towards the wrong one.
+# Levels 1-3 recompute a block at most once: ``nested``, groups of blocks and lean MLPs inside
+# whole blocks are offered from level 4. A goal of levels 1-3 under the least memory of one
+# recomputation takes that least (the knee, past which each few percent cost a second forward);
+# only where that least is not _STEP below the level below is the level chosen again past the
+# knee, since it would otherwise be marked as the level below's plan.
 #
-# _SPACING puts levels 2 and 3 in the lower half of the curve, where the hand-tuned presets put
-# theirs (levels 2 and 3 of ResNet-50, ConvNeXt-T, EfficientNet-B0 and Swin-T sit at 0.74-0.93
-# and 0.82-1.0 of that logarithmic distance), and level 1 where memory is cheap to win. Levels
-# 2 and 3 also keep the size table's promise: each goes at least as low as its anchor, the
-# measured peak of its row (NOTE [ The size table's rows ]) checkpointed alone, every small
-# block for level 2 and every medium module for level 3, where the model has a row of that
-# size holding more than the row below; an anchored level lower than its spaced place moves
-# the spaced levels above it, which then sit between it and the top as _SPACING spaces them
-# between it and the top. A fixed share of the distance to the top cannot know where a
-# model's own small blocks take it: DenseNet-121 at batch 32 spaced its level 2 at 989 MiB,
-# where its dense layers alone hold 581 (its preset's level 2: 580), and on a curve that flat
-# the rest of the way costs little (level 2 now 581 MiB at 1.27x modelled). Level 5
-# is the least memory the menus reach from level 4 (the predictions of the last few percent
-# err most: ViT-S at batch 32 measured 247 MiB with seven of twelve layers nested, 201 with
-# all), and a candidate for every stage (what holds a sequence of blocks) recomputed whole,
-# its blocks checkpointed again inside it: the size table's "very large modules", for a
-# whole forward more.
+# Invariants:
+#   1. Levels grow: level k moves a unit only up keep < selective < full < nested (a stage from
+#      keep, and from a stage only to full or nested for all its blocks), so every level is the
+#      level below plus more, which is what rules "from level k on" express (a selective stage
+#      steps aside where full blocks start inside it: NOTE [ Selective regions step aside ]).
+#   2. Every level is measured (the extrapolated step peak from the two small batches). A level
+#      of 1-3 whose peak misses its goal by more than _STEP is asked again for the goal times
+#      predicted / measured, up to _ROUNDS times, and a new choice replaces the old one only if
+#      it lowers the measured peak by _EXTRA_GAIN (it is always slower).
+#   3. A level still over its goal, and level 4 always, is then made as cheap as its measured
+#      peak allows: a faster mix measured within _STEP (level 4: _TOP_SLACK) of the least peak
+#      measured replaces it.
+#   4. What the program cannot price is tried last, each from the top level down and kept from
+#      the lowest level where it still lowers the measured peak enough: stacks as groups of about
+#      sqrt(n) (``segments: auto``), only over stacks the level recomputes whole, from level 4,
+#      by _EXTRA_GAIN; whole stages at level 5, by _STEP; the structural fallback's regions,
+#      likewise.
+#   5. A level that does not lower the peak by _STEP from the level below is marked as that
+#      level's plan and runs it.
 #
-# Levels 1-3 recompute a block at most once: ``nested`` (a block recomputed, then its inner
-# regions again in its backward) is offered from level 4 on, as groups of blocks and lean MLPs
-# are (inside a block recomputed whole, a lean MLP computes its first layer a third time: ViT-S
-# every layer full, 1.33x level 0's FLOPs with lean MLPs, 1.22x without), the size table's
-# "large modules". Where a goal of levels 1-3 lies under the least memory of one
-# recomputation, that least is the level: the curve's knee, where the next few percent cost a
-# second forward (ViT-S at batch 32: every layer full, 309 MiB at 1.21x level 0's modelled
-# time; offered nested layers, groups and lean MLPs, level 3 had bought 247 MiB for 1.57x).
-# Only where that least is no step (_STEP) below the level below, the knee lies lower and
-# the level is chosen again past it, nested blocks offered, since the level would otherwise
-# be marked as the level below's plan (Swin-T's level 3: its peak is a first-stage MLP's
-# backward, which one recomputation per block does not move).
-#
-# Levels grow: level k may only move a unit up the order keep < selective < full < nested (a
-# stage from keep, and from a stage only to full or nested for all its blocks), so that every
-# level's plan is the level below plus more, which is what rules "from level k on" express
-# (a selective stage steps aside where full blocks start inside it, NOTE [ Selective regions
-# step aside ] in wrapper). Each level is measured (the extrapolated step peak, from the two
-# small batches). The program's peak of a mix can miss (ResNet-50 at batch 32: a level-2 mix of
-# selective stages and full blocks predicted 1115 MiB measured 1246), so a level of 1-3 whose
-# measured peak is over its goal by more than _STEP is chosen again, asking the program for the
-# goal times predicted / measured, up to _ROUNDS choices (there: 1042 MiB); a choice made
-# again replaces the one before only where it lowers the measured peak by _EXTRA_GAIN (it is
-# always slower: it was asked for less). A level that still misses its goal, and level 4
-# always, is then made as cheap as its measured peak allows: the program's goal is halved
-# between the level below's mix and this one's, up to _ROUNDS times, and a faster mix measured
-# within _STEP (for level 4: _TOP_SLACK) of the least peak measured (for level 4: of Ptop too)
-# replaces it; _STEP, since peaks that close are one level's when levels are marked
-# (ConvNeXt-T's level 4, lean MLPs on: the top mix, ten blocks nested, measured 824 MiB; a mix
-# of fourteen full and seven selective blocks 788 MiB, for less recomputation). Three
-# additions the program cannot price are then tried, each from the top level down and kept
-# from the lowest level at which it still lowers that level's measured peak enough: stacks of
-# blocks as groups of about sqrt(n) (``segments: auto``: the blocks' inputs but one per group
-# are no longer kept, and the blocks inside a group are recomputed one at a time), only over
-# stacks whose blocks the level already recomputes whole and only at such levels (over kept
-# blocks a group would cost the stack's whole forward again), from level 4, by _EXTRA_GAIN;
-# whole stages, at level 5 only, by _STEP; the structural fallback's regions, likewise. Last, a
-# level that does not lower the peak by _STEP from the level below is marked as that level's
-# plan and runs it.
+# The measurements behind these choices are in docs/derive.md and benchmarks/results/.
 
 # the derivation's menu: the planner's, the ways that redo cheap products (NOTE [ Products
 # cheap to redo ] in _price), a unit's inner regions alone (NOTE [ Inner regions alone ]) and
