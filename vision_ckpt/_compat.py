@@ -5,28 +5,25 @@ release. The checkpoint core and the meters need a few entry points that torch d
 across releases; each is detected once, here, when this module is imported, and the rest of the
 package uses only the names below. No other module probes torch with ``hasattr``.
 
-=============================  ========================  ==========================================
-feature                        native where torch has    fallback on older releases
-=============================  ========================  ==========================================
-:data:`make_saved_tensor`      ``_make_saved_tensor``    ``None``: the core saves a region's inputs
-                               (2.12)                    through an autograd Function (NOTE
-                                                         [ Inputs saved through a Function ] in
-                                                         ``_core``)
-:func:`top_pack_hook`,         ``_top_saved_tensors_``   the hooks vision_ckpt itself pushed, kept
-:func:`user_saved_tensors_`    ``default_hooks`` (2.8;   on a per-thread stack (NOTE [ Saved-tensor
-``hooks``                      absent in 2.6)            hooks seen on older torch ])
-:func:`graph_exec_group`       ``_get_graph_exec_group`` ``None``: a backward is told apart by its
-                                                         graph task id alone
-:data:`SELECTIVE_KEEPS_HOOKS`  ``respect_saved_tensors_  what a selective region keeps is handed to
-                               hooks`` of the selective  the counting hooks by the keep policy
-                               mode (2.14)               (``_selective``); other hooks, such as
-                                                         ``save_on_cpu``, do not see it
-:func:`functorch_running`      ``peek_interpreter_stack`` ``False``: no functorch transform is seen
-:data:`COMPILED_CHECKPOINT_`   torch's compiled          a region with BatchNorm in training mode
-``KEEPS_BATCHNORM``            checkpoint updating       runs eagerly between compiled graphs
-                               BatchNorm statistics      (a graph break), so that its statistics
-                               once (2.14; not 2.6)      are updated once
-=============================  ========================  ==========================================
+Each feature, where torch has it natively, and the fallback on releases without it:
+
+* :data:`make_saved_tensor`: ``_make_saved_tensor`` (2.12). Before: ``None``, and the core saves
+  a region's inputs through an autograd Function (NOTE [ Inputs saved through a Function ] in
+  ``runtime._core``).
+* :func:`top_pack_hook`, :func:`user_saved_tensors_hooks`: ``_top_saved_tensors_default_hooks``
+  (2.8; absent in 2.6). Before: the hooks vision_ckpt pushed itself, kept on a per-thread stack
+  (NOTE [ Saved-tensor hooks seen on older torch ]).
+* :func:`graph_exec_group`: ``_get_graph_exec_group``. Before: ``None``, and a backward is told
+  apart by its graph task id alone.
+* :data:`SELECTIVE_KEEPS_HOOKS`: the selective mode's ``respect_saved_tensors_hooks`` (2.14).
+  Before: the keep policy hands what a selective region keeps to vision_ckpt's counting hooks
+  (``runtime._selective``); other hooks, such as ``save_on_cpu``, do not see it.
+* :data:`COMPILED_CHECKPOINT_KEEPS_BATCHNORM`: a compiled checkpoint that updates BatchNorm
+  statistics once (2.14; 2.6 updates them twice). Before: a region with BatchNorm in training
+  mode runs eagerly between compiled graphs.
+* :data:`CHECKPOINT_OPTIONS`: the options torch's own ``checkpoint`` takes (``early_stop`` after
+  2.6). Before: an option torch lacks is not passed; under compile it changes nothing.
+* :func:`functorch_running`: ``peek_interpreter_stack``. Before: ``False``.
 
 The remaining private names (dispatch modes, pytree, the dispatch-mode keys, the torch-function
 stack, grad mode and the hook stack itself) exist unchanged on every supported release; they are
