@@ -204,10 +204,11 @@ def _checkpoint(
     region: _RunAtLevel, args: Sequence[Any], kwargs: dict[str, Any], options: dict[str, Any]
 ) -> Any:
     """``_core.checkpoint_region`` of ``region`` called on ``args`` and ``kwargs``, with the
-    core's ``options``. In eager the core is
-    given the region itself, which recomputation runs again; while torch.compile traces, the
-    bare function, with the region's state set around the call (NOTE [ The training level
-    under torch.compile ])."""
+    core's ``options``. In eager the core is given the region itself, which recomputation runs
+    again; while torch.compile traces, the bare function, the region's level and group pushed
+    on the trace's stack around the call (NOTE [ The training level under torch.compile ]),
+    or, where torch's compiled checkpoint would not be exact, the region run eagerly between
+    graphs."""
     if not _core.compiling():
         return _core.checkpoint_region(region, *args, **options, **kwargs)
     if not _core.traced_region_is_exact(region.fn, options.get("module")):
