@@ -500,11 +500,18 @@ def _has_running_stats(module: torch.nn.Module) -> bool:
 _UNKNOWN_MODULES: list[torch.nn.Module] = []  # sentinel: the region's modules are not known
 
 
-def _region_batchnorms(fn: Any, module: torch.nn.Module | None) -> list[torch.nn.Module]:
+def _region_module(fn: Any, module: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The module a region runs: the one its caller named, else ``fn`` itself or the module
+    ``fn`` is a bound method of; ``None`` when it is not known."""
     if module is None:
         module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-        if not isinstance(module, torch.nn.Module):
-            return _UNKNOWN_MODULES
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+def _region_batchnorms(fn: Any, module: torch.nn.Module | None) -> list[torch.nn.Module]:
+    module = _region_module(fn, module)
+    if module is None:
+        return _UNKNOWN_MODULES
     found: list[torch.nn.Module] = [module] if _has_running_stats(module) else []
     _collect_batchnorms(module, found)
     return found
@@ -880,17 +887,10 @@ def traced_region_is_exact(function: Callable[..., Any], module: torch.nn.Module
     BATCHNORM``) and the region holds a BatchNorm in training mode."""
     if _compat.COMPILED_CHECKPOINT_KEEPS_BATCHNORM:
         return True
+    module = _region_module(function, module)
     if module is None:
-        owner = function if isinstance(function, torch.nn.Module) else None
-        module = owner or getattr(function, "__self__", None)
-        if not isinstance(module, torch.nn.Module):
-            return False  # its modules are not known: assume the worst
+        return False  # its modules are not known: assume the worst
     return not any(m.training and _has_running_stats(m) for m in module.modules())
-
-
-checkpoint_region_between_graphs = torch.compiler.disable(checkpoint_region)
-"""``checkpoint_region`` run eagerly while torch.compile traces its caller (a graph break):
-for a region whose traced checkpoint would not be exact (:func:`traced_region_is_exact`)."""
 
 
 def _run(

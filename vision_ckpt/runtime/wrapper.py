@@ -219,7 +219,7 @@ def _checkpoint(
             "mode run eagerly between compiled graphs (graph breaks; statistics and gradients "
             "exact). torch>=2.14 compiles them into the graph. (Shown once.)",
         )
-        return _core.checkpoint_region_between_graphs(region, *args, **options, **kwargs)
+        return _checkpoint_between_graphs(region, *args, **options, **kwargs)
     if _core.region_depth() == 0:
         _traced_reset()
     _traced_push(int(region.level), region.group)
@@ -227,6 +227,12 @@ def _checkpoint(
         return _core.checkpoint_region(region.fn, *args, **options, **kwargs)
     finally:
         _traced_pop()
+
+
+# ``_core.checkpoint_region`` run eagerly while torch.compile traces its caller (a graph break),
+# for a region whose traced checkpoint would not be exact. Made here, not in the core, which
+# does not import dynamo (the wrapper does already, for its compile notes).
+_checkpoint_between_graphs = torch.compiler.disable(_core.checkpoint_region)
 
 
 def _innermost() -> tuple[Level | None, bool]:
