@@ -45,7 +45,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._python_dispatch import (  # noqa: F401  (re-exported)
     TorchDispatchMode as TorchDispatchMode,
-    _disable_current_modes as _disable_current_modes,
+    _disable_current_modes as disable_current_modes,
     is_traceable_wrapper_subclass as is_traceable_wrapper_subclass,
 )
 from torch.utils._pytree import (  # noqa: F401  (re-exported)
@@ -82,8 +82,6 @@ __all__ = [
     "functorch_running",
     "features",
 ]
-
-disable_current_modes = _disable_current_modes
 
 
 def _parse(version: str) -> tuple[int, int]:
@@ -143,14 +141,9 @@ _pushed = _Pushed()
 
 
 if _native_top is not None:
-
-    def push_saved_tensors_hooks(pack: Any, unpack: Any) -> None:
-        """Push ``pack``/``unpack`` as the innermost saved-tensor hooks of this thread."""
-        _raw_push(pack, unpack)
-
-    def pop_saved_tensors_hooks() -> None:
-        """Pop the innermost saved-tensor hooks pushed by :func:`push_saved_tensors_hooks`."""
-        _raw_pop()
+    # torch's own entry points, with no layer between: every region pushes and pops
+    push_saved_tensors_hooks = _raw_push
+    pop_saved_tensors_hooks = _raw_pop
 
     def _top_hooks() -> tuple[Any, Any] | None:
         return _native_top(False)

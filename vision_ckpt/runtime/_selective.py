@@ -308,11 +308,11 @@ class _KeepBeforeWrite(TorchDispatchMode):
                     self._copy_kept(value)
         out = func(*args, **kwargs)
         if not _compat.SELECTIVE_KEEPS_HOOKS:  # NOTE [ Kept outputs on older torch ]
-            hooks = _compat.user_saved_tensors_hooks()
-            counter = hooks[0] if hooks is not None else None
-            for kept in self._index_new_entries():
-                if getattr(counter, "counts_kept_outputs", False):
-                    counter(kept)
+            added = self._index_new_entries()
+            hooks = _compat.user_saved_tensors_hooks() if added else None
+            if hooks is not None and getattr(hooks[0], "counts_kept_outputs", False):
+                for kept in added:
+                    hooks[0](kept)
         return out
 
     def __exit__(self, *exc: Any) -> Any:
