@@ -48,8 +48,14 @@ Sections (``--sections``, all by default), each on the models of ``--models``:
     ``--compile-models``: one training step's gradients against eager within ``--compile-rtol``
     (relative to each tensor's largest magnitude), dropout off.
 ``frontier``
-    Levels 0-5 and timm's ``set_grad_checkpointing`` at ``--batch`` (32): allocated and reserved
-    peaks, and step time as the median over ``--reps`` interleaved rounds of the ratio to L0.
+    At the batch that matters (``--frontier-batch auto``: the batch at which eager level 0
+    allocates at least ``--share``, 40%, of the device), in ``--amp`` autocast (bf16): eager
+    levels 0-5 and timm's ``set_grad_checkpointing`` for every model, then for the models of
+    ``--frontier-compile`` the same under ``torch.compile`` (``--compile-backend``): level 0,
+    the levels of ``--frontier-levels``, compile's own ``activation_memory_budget`` at each of
+    ``--budgets`` and the switch. Each variant's allocated peak alone on the device (absolute:
+    what must fit), and step time as the median over ``--reps`` interleaved rounds of the
+    ratio to eager L0 (a compiled variant: to compiled L0).
 ``derive``
     ``derive_preset`` run on the device for each of ``--derive-models`` (models no preset
     knows, and ResNet-50) at ``--batch``, dropout on; then level 0, every derived level with a
@@ -118,6 +124,8 @@ NO_DROP_PATH = ("densenet", "efficientvit_b")
 # The derive section: models no preset knows, and ResNet-50, whose preset is the reference.
 DERIVE_MODELS = ("resnet50", "efficientvit_b0", "levit_128", "fastvit_t8")
 TINY_DERIVE_MODELS = ("efficientvit_b0",)  # at 64 px its activations outweigh its weights
+# The frontier's autocast dtypes (``--amp``).
+AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,6 +165,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-levels", default="0,1,2,3,4,5", help="levels to compile")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--compile-rtol", type=float, default=1e-5)
+    p.add_argument(
+        "--frontier-batch",
+        default=None,
+        help="the frontier's batch: a number, or 'auto', the batch at which eager level 0 "
+        "allocates --share of the device (default auto; tiny: --batch)",
+    )
+    p.add_argument("--share", type=float, default=0.4, help="device share for 'auto' (0.4)")
+    p.add_argument("--amp", default=None, choices=sorted(AMP), help="frontier autocast (bf16)")
+    p.add_argument(
+        "--frontier-compile",
+        default=None,
+        help="models whose compiled variants the frontier measures (default resnet50, "
+        "vit_small_patch16_224, convnext_tiny; tiny: resnet18); 'none' for none",
+    )
+    p.add_argument("--frontier-levels", default="2,3,5", help="levels compiled in the frontier")
+    p.add_argument("--budgets", default="0.5", help="compile's activation_memory_budget values")
     p.add_argument("--out", default=None, help="folder for results.json and table.md")
     p.add_argument("--render", default=None, metavar="JSON", help="print the tables of a run")
     p.add_argument(
@@ -182,6 +206,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default_compiled = ["resnet18"] if args.tiny else ["vit_small_patch16_224", "resnet50"]
     args.compile_models = _split(args.compile_models) or default_compiled
     args.compile_levels = [int(v) for v in _split(args.compile_levels)]
+    args.frontier_batch = args.frontier_batch or (str(args.batch) if args.tiny else "auto")
+    if args.frontier_batch != "auto" and not args.frontier_batch.isdigit():
+        p.error(f"--frontier-batch {args.frontier_batch!r}: a positive number or 'auto'")
+    args.amp = args.amp or ("fp32" if args.tiny else "bf16")
+    default_frontier = ["resnet18"] if args.tiny else ["resnet50", "vit_small_patch16_224"]
+    default_frontier += [] if args.tiny else ["convnext_tiny"]
+    args.frontier_compile = (
+        [] if args.frontier_compile == "none" else _split(args.frontier_compile) or default_frontier
+    )
+    args.frontier_levels = [int(v) for v in _split(args.frontier_levels)]
+    args.budgets = [float(v) for v in _split(args.budgets)]
     args.derive_models = _split(args.derive_models) or list(
         TINY_DERIVE_MODELS if args.tiny else DERIVE_MODELS
     )
@@ -419,28 +454,46 @@ def _render_inductor(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _render_frontier(rows: list[dict[str, Any]]) -> list[str]:
+    """One row per variant; ``alloc/L0`` against the same model's eager level 0 (compiled
+    variants also against compiled level 0); ``time/ref`` against eager ``L0``, or ``c:L0``
+    for a compiled variant."""
+    l0 = {r["model"]: r.get("allocated") for r in rows if r.get("variant") == "L0"}
+    c0 = {r["model"]: r.get("allocated") for r in rows if r.get("variant") == "c:L0"}
+
+    def ratio(r: dict[str, Any], ref: dict[str, Any]) -> str:
+        if r.get("alloc_ratio") is not None:  # rows of older runs carry their own
+            return _num(r["alloc_ratio"], ".2f")
+        a, b = r.get("allocated"), ref.get(r["model"])
+        return _num(a / b, ".2f") if a and b else "-"
+
     return _table(
         [
             "model",
             "batch",
+            "amp",
             "variant",
             "regions",
+            "not compiled",
             "allocated MB",
-            "reserved MB",
+            "device share",
             "alloc/L0",
+            "alloc/c:L0",
             "time s",
-            "time/L0",
+            "time/ref",
             "error",
         ],
         [
             [
                 r["model"],
                 str(r.get("batch", "")),
-                r["variant"],
+                r.get("amp", "fp32"),
+                r["variant"] + (f" (= {r['same_as']})" if r.get("same_as") else ""),
                 str(r.get("regions", "")),
+                str(r.get("not_compiled", "")) if r["variant"].startswith("c:L") else "",
                 _mb(r.get("allocated")),
-                _mb(r.get("reserved")),
-                _num(r.get("alloc_ratio"), ".2f"),
+                _num(r.get("share"), ".0%"),
+                ratio(r, l0),
+                ratio(r, c0) if r["variant"].startswith("c:") else "",
                 _num(r.get("time_s"), ".3f"),
                 _num(r.get("time_ratio"), ".2f") + ("x" if r.get("time_ratio") else ""),
                 r.get("error") or "",
@@ -1064,39 +1117,282 @@ def _interleaved(
     return times, ratios
 
 
-def check_frontier(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
+# What a CPU dry run sizes ``--frontier-batch auto`` against, in place of a device's memory.
+CPU_STAND_IN_BYTES = 2**30
+
+
+def _device_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return CPU_STAND_IN_BYTES
+
+
+def _frontier_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: Any) -> None:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, amp, enabled=amp is not None):
+        out = model(x)
+    F.cross_entropy(out.float(), y).backward()
+
+
+def _frontier_peak(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: Any
+) -> dict[str, int | None]:
+    """A warmed-up step's peaks (the warm-up compiles a compiled variant). On CUDA the
+    allocator's: absolute (``allocated``: parameters, gradients and everything else on the
+    device) and above the step's start, and the reserved peak. On CPU the CPU allocator's
+    records of a profiled step: compiled kernels allocate there too, where the byte tracker's
+    dispatch mode sees none of their intermediates."""
+    device = x.device.type
+    _frontier_step(model, x, y, amp)
+    model.zero_grad(set_to_none=True)
+    _free(device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        _frontier_step(model, x, y, amp)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        reserved = torch.cuda.max_memory_reserved()
+        model.zero_grad(set_to_none=True)
+        return {"allocated": peak, "allocated_step": peak - start, "reserved": reserved}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        _frontier_step(model, x, y, amp)
+    model.zero_grad(set_to_none=True)
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = best = 0
+    for e in sorted(records, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        best = max(best, live)
+    return {"allocated": best, "allocated_step": best, "reserved": None}
+
+
+def batch_that_matters(
+    base: nn.Module, args: argparse.Namespace, amp: Any
+) -> tuple[int, dict[str, Any]]:
+    """The batch at which eager level 0 allocates at least ``args.share`` of the device, a
+    multiple of 8. Level 0's absolute peak at two small batches gives a line (activations grow
+    with the batch, parameters and gradients do not); the batch it names is measured, and while
+    that peak falls outside ``share`` to 1.25 ``share`` of the device the line through the last
+    two measurements names the next one (three tries at most). Returns the batch and the
+    figures it came from."""
+    model = copy.deepcopy(base).to(args.device)
+    target = args.share * _device_bytes(args.device)
+
+    def peak(b: int) -> int:
+        x, y = _data(b, args.image, args.device)
+        try:
+            return _frontier_peak(model, x, y, amp)["allocated"] or 0
+        finally:
+            del x, y
+            _free(args.device)
+
+    seen = [(b, peak(b)) for b in ((8, 16) if args.tiny else (16, 32))]
+    batch = seen[-1][0]
+    for _ in range(3):
+        (b0, p0), (b1, p1) = sorted(seen[-2:])
+        per_sample = max(1.0, (p1 - p0) / (b1 - b0))
+        batch = max(8, 8 * math.ceil((b1 + (target - p1) / per_sample) / 8))
+        if batch in dict(seen):
+            break
+        seen.append((batch, peak(batch)))
+        if target <= seen[-1][1] <= 1.25 * target:
+            break
+    model.to("cpu")
+    _free(args.device)
+    return batch, {"tried": seen, "target": target}
+
+
+def _budget_backend(backend: str, budget: float) -> Callable[..., Any]:
+    """``backend`` with torch.compile's activation-memory solver at ``budget``. The budget is
+    read when the backward graph is partitioned, which happens inside the backend call; the
+    AOT autograd cache is off there so that no partition made under another budget is reused.
+    One callable per budget: dynamo guards on the backend, so copies of one model class
+    compiled for different budgets do not share a graph."""
+    inner = torch._dynamo.lookup_backend(backend)
+
+    def compile_under_budget(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        with torch._functorch.config.patch(
+            activation_memory_budget=budget, enable_autograd_cache=False
+        ):
+            return inner(gm, example_inputs)
+
+    return compile_under_budget
+
+
+def _plan_signature(plan: Any, level: int) -> tuple[str, ...]:
+    """What a level's plan runs: its regions with their rungs, and its lean MLPs."""
+    return (
+        *(f"{n}: {plan[n].rung_at(level)}" for n in plan.checkpointed),
+        *(f"lean {e.name}" for e in plan.entries if e.lean_at(level)),
+    )
+
+
+def _frontier_variants(
+    base: nn.Module, name: str, args: argparse.Namespace, compiled: bool
+) -> tuple[dict[str, nn.Module], dict[str, dict[str, Any]]]:
+    """The frontier's variants of one model and what each is: eager levels 0-5 and the
+    model's own switch, or (``compiled``) level 0, the levels of ``--frontier-levels``,
+    compile's budget at each of ``--budgets`` and the switch, each under ``torch.compile``;
+    a level whose plan is an earlier level's is left out of the compiled set."""
     import vision_ckpt
 
+    variants: dict[str, nn.Module] = {}
+    info: dict[str, dict[str, Any]] = {}
+    prefix = "c:" if compiled else ""
+    seen: dict[tuple[str, ...], str] = {}
+    levels = [0, *args.frontier_levels] if compiled else list(LEVELS)
+    for level in levels:
+        model = copy.deepcopy(base)
+        plan = vision_ckpt.apply_preset(model, level)
+        key = _plan_signature(plan, level)
+        v = f"{prefix}L{level}"
+        info[v] = {"regions": len(plan.checkpointed), "not_compiled": len(plan.not_compiled)}
+        if key in seen and level:
+            info[v]["same_as"] = seen[key]
+            if compiled:
+                continue
+        seen.setdefault(key, v)
+        variants[v] = model
+    if compiled:
+        for budget in args.budgets:
+            v = f"c:budget{budget:g}"
+            variants[v] = torch.compile(
+                copy.deepcopy(base), backend=_budget_backend(args.compile_backend, budget)
+            )
+            info[v] = {"regions": 0, "budget": budget}
+        for v in [v for v in variants if v.startswith("c:L")]:
+            variants[v] = torch.compile(variants[v], backend=args.compile_backend)
+    switch = copy.deepcopy(base)
+    switch.set_grad_checkpointing(True)
+    v = f"{prefix}timm"
+    variants[v] = torch.compile(switch, backend=args.compile_backend) if compiled else switch
+    info[v] = {"regions": -1}
+    return variants, info
+
+
+def _frontier_rows(
+    name: str,
+    batch: int,
+    args: argparse.Namespace,
+    variants: dict[str, nn.Module],
+    info: dict[str, dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Each variant's peaks alone on the device, then every live variant's step time over
+    interleaved rounds (ratios to eager ``L0`` and, for compiled variants, to ``c:L0``)."""
+    amp = AMP[args.amp]
+    x, y = _data(batch, args.image, args.device)
+    peaks: dict[str, dict[str, int | None]] = {}
+    errors: dict[str, str] = {}
+    warm_s: dict[str, float] = {}
+    for v, model in variants.items():
+        try:
+            model.to(args.device)
+            started = time.perf_counter()
+            peaks[v] = _frontier_peak(model, x, y, amp)
+            warm_s[v] = time.perf_counter() - started
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is a row, not a stop
+            errors[v] = _error(exc)
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.to("cpu")
+            _free(args.device)
+    live = {v: m for v, m in variants.items() if v not in errors}
+    step = functools.partial(_frontier_step, y=y, amp=amp)
+    times, ratios = _interleaved_steps(live, x, args.device, args.reps, step)
     rows = []
+    for v in info:
+        row: dict[str, Any] = {"model": name, "batch": batch, "amp": args.amp, "variant": v}
+        row.update(info[v])
+        if v in errors:
+            row["error"] = errors[v]
+        elif v in peaks:
+            row.update(peaks[v])
+            row["share"] = (peaks[v]["allocated"] or 0) / _device_bytes(args.device)
+            row["time_s"] = statistics.median(times[v]) if times.get(v) else None
+            row["time_ratio"] = statistics.median(ratios[v]) if ratios.get(v) else None
+            if v.startswith("c:"):
+                row["warm_s"] = warm_s[v]  # the first step: compilation
+        rows.append(row)
+    return rows
+
+
+def _interleaved_steps(
+    variants: dict[str, nn.Module],
+    x: torch.Tensor,
+    device: str,
+    reps: int,
+    step: Callable[..., None],
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Step seconds of every variant over ``reps`` rounds, the order rotating from round to
+    round, and each round's ratio to ``L0``'s (or, for a compiled variant, to ``c:L0``'s)."""
+    live = list(variants)
+    for model in variants.values():
+        model.to(device)
+    times: dict[str, list[float]] = {v: [] for v in live}
+    ratios: dict[str, list[float]] = {v: [] for v in live}
+    try:
+        for round_ in range(reps):
+            shift = round_ * len(live) // max(1, reps)
+            this: dict[str, float] = {}
+            for v in live[shift:] + live[:shift]:
+                _sync(device)
+                start = time.perf_counter()
+                step(variants[v], x)
+                _sync(device)
+                this[v] = time.perf_counter() - start
+                times[v].append(this[v])
+            for v in live:
+                ref = "c:L0" if v.startswith("c:") and "c:L0" in this else "L0"
+                if ref in this:
+                    ratios[v].append(this[v] / this[ref])
+    finally:
+        for model in variants.values():
+            model.zero_grad(set_to_none=True)
+            model.to("cpu")
+        _free(device)
+    return times, ratios
+
+
+def check_frontier(args: argparse.Namespace, models: dict[str, dict[str, Any]]) -> list[dict]:
+    """Eager first for every model (levels 0-5 and the switch at the batch that matters), then
+    the compiled variants of ``--frontier-compile``'s models at the same batch, with eager
+    ``L0`` beside them for the ratio. Rows are written as each model finishes."""
+    rows: list[dict[str, Any]] = []
+    batches: dict[str, int] = {}
     for name in args.models:
-        x, y = _data(args.batch, args.image, args.device)
-        base = build(name, models[name])  # on the host: one variant at a time on the device
-        variants: dict[str, nn.Module] = {}
-        regions: dict[str, int] = {}
-        for level in LEVELS:
-            model = copy.deepcopy(base)
-            plan = vision_ckpt.apply_preset(model, level)
-            variants[f"L{level}"], regions[f"L{level}"] = model, len(plan.checkpointed)
-        timm_model = copy.deepcopy(base)
-        timm_model.set_grad_checkpointing(True)
-        variants["timm"], regions["timm"] = timm_model, -1
-        memory, errors = _alone_peaks(variants, x, y, args.device)
-        live = {v: m for v, m in variants.items() if v not in errors}
-        times, ratios = _interleaved(live, x, y, args.device, args.reps)
-        for v in variants:
-            row: dict[str, Any] = {"model": name, "batch": args.batch, "variant": v}
-            row["regions"] = regions[v]
-            if v in errors:
-                row["error"] = errors[v]
+        base = build(name, models[name])
+        try:
+            if args.frontier_batch == "auto":
+                batches[name], how = batch_that_matters(base, args, AMP[args.amp])
             else:
-                row["allocated"], row["reserved"] = memory[v]["allocated"], memory[v]["reserved"]
-                row["time_s"] = statistics.median(times[v])
-                row["time_ratio"] = statistics.median(ratios[v]) if ratios[v] else None
-                if "L0" in memory:
-                    row["alloc_ratio"] = memory[v]["allocated"] / memory["L0"]["allocated"]
-            rows.append(row)
-            _progress("frontier", row)
-        del variants, live, base
+                batches[name], how = int(args.frontier_batch), {}
+            variants, info = _frontier_variants(base, name, args, compiled=False)
+            model_rows = _frontier_rows(name, batches[name], args, variants, info)
+            for r in model_rows:
+                r.update({f"auto_{k}": v for k, v in how.items()} if r["variant"] == "L0" else {})
+        except Exception as exc:  # noqa: BLE001
+            model_rows = [{"model": name, "variant": "*", "error": _error(exc)}]
+        for r in model_rows:
+            rows.append(r)
+            _progress("frontier", r)
+        _free(args.device)
+    for name in args.frontier_compile:
+        if name not in batches:
+            continue
+        base = build(name, models.get(name, {}))
+        torch._dynamo.reset()
+        try:
+            variants, info = _frontier_variants(base, name, args, compiled=True)
+            variants, info = {"L0": copy.deepcopy(base), **variants}, {"L0": {}, **info}
+            model_rows = _frontier_rows(name, batches[name], args, variants, info)[1:]
+        except Exception as exc:  # noqa: BLE001
+            model_rows = [{"model": name, "variant": "c:*", "error": _error(exc)}]
+        for r in model_rows:
+            rows.append(r)
+            _progress("frontier", r)
+        torch._dynamo.reset()
         _free(args.device)
     return rows
 
@@ -1299,6 +1595,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # cuBLAS reads this when it is first used: the exact section's deterministic matmuls
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # The frontier compiles several copies of one model class: each is a recompilation of
+    # the same code, which dynamo stops compiling after its default limit.
+    limits = {"recompile_limit": 64, "accumulated_recompile_limit": 1024}
+    limits |= {"cache_size_limit": 64, "accumulated_cache_size_limit": 1024}  # older names
+    for knob, value in limits.items():
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, value)
     if args.device == "cpu":
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     results = run(args, argv)

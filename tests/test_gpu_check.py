@@ -193,7 +193,7 @@ def test_render_writes_one_table_per_section(gpu_check, tmp_path, capsys) -> Non
         assert f"\n## {section}: " in text
     assert "| resnet50 | 3 | **no** | 1.00e-07 | yes |  |" in text
     assert "| vit | suggest | 32 | 600 | 3 | 500 | 550 | 650 | yes | **no** |  |" in text
-    assert "| vit | 32 | L0 | 0 | 2000 | 2200 | 1.00 | 0.100 | 1.00x |  |" in text
+    assert "| vit | 32 | fp32 | L0 | 0 |  | 2000 | - | 1.00 |  | 0.100 | 1.00x |  |" in text
     assert "| levit | D2 (= D3, D4) | 400 | 390 | 270 | - | - | 0.39 | 1.30x | **no** |  |" in text
     assert (
         "- levit: derived in 26 s; first level <= 0.5x L0: D2 (0.39x, 1.30x time); top D2 "
@@ -265,3 +265,25 @@ def test_the_first_step_section_runs_each_variant_in_a_fresh_process(gpu_check, 
     assert all(r.get("error") is None for r in rows), rows
     assert [r.get("ok") for r in rows] == [None, None, True, True]
     assert rows[2]["max_rel"] == rows[3]["max_rel"] == 0.0
+
+
+def test_the_frontier_finds_its_batch_and_compiles_each_variant_on_cpu(gpu_check, tmp_path) -> None:
+    args = ["--dry-run", "--sections", "frontier", "--models", "resnet18", "--out", str(tmp_path)]
+    args += ["--frontier-batch", "auto", "--share", "0.05", "--frontier-levels", "2"]
+    args += ["--compile-backend", "aot_eager"]
+    assert gpu_check.main(args) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["sections"]["frontier"]
+    by = {r["variant"]: r for r in rows}
+    assert [*by] == ["L0", "L1", "L2", "L3", "L4", "L5", "timm"] + [
+        "c:L0",
+        "c:L2",
+        "c:budget0.5",
+        "c:timm",
+    ]
+    assert not [r for r in rows if r.get("error")]
+    # the batch at which level 0 holds 5% of the CPU's stand-in for a device's memory
+    assert by["L0"]["share"] >= 0.05 and by["L0"]["batch"] % 8 == 0
+    assert by["c:L2"]["not_compiled"] == 1  # ResNet's stem is a run of calls
+    for r in rows:
+        if "same_as" not in r:
+            assert r["allocated"] > 0 and r["time_ratio"] > 0
