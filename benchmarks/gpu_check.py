@@ -1127,6 +1127,15 @@ def _device_bytes(device: str) -> int:
     return CPU_STAND_IN_BYTES
 
 
+def _frontier_data(batch: int, image: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A synthetic batch drawn on the device itself (a batch that fills a card takes seconds
+    to draw on the host)."""
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(batch, 3, image, image, generator=gen, device=device)
+    y = torch.randint(0, 10, (batch,), generator=gen, device=device)
+    return x, y
+
+
 def _frontier_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: Any) -> None:
     model.zero_grad(set_to_none=True)
     with torch.autocast(x.device.type, amp, enabled=amp is not None):
@@ -1181,7 +1190,7 @@ def batch_that_matters(
     target = args.share * _device_bytes(args.device)
 
     def peak(b: int) -> int:
-        x, y = _data(b, args.image, args.device)
+        x, y = _frontier_data(b, args.image, args.device)
         try:
             return _frontier_peak(model, x, y, amp)["allocated"] or 0
         finally:
@@ -1282,7 +1291,7 @@ def _frontier_rows(
     """Each variant's peaks alone on the device, then every live variant's step time over
     interleaved rounds (ratios to eager ``L0`` and, for compiled variants, to ``c:L0``)."""
     amp = AMP[args.amp]
-    x, y = _data(batch, args.image, args.device)
+    x, y = _frontier_data(batch, args.image, args.device)
     peaks: dict[str, dict[str, int | None]] = {}
     errors: dict[str, str] = {}
     warm_s: dict[str, float] = {}
