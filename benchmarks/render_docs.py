@@ -140,6 +140,13 @@ QUESTIONS = (
         ("dense",),
     ),
     Question(
+        "Segmentation models: bytes kept per level",
+        "`seg_saved_bytes.py`: MiB one forward keeps for backward at each level of the preset "
+        "`auto` picks, smp and torchvision segmentation models at 128 px, batch 2; it shows the "
+        "order of the levels, not a GPU peak (see [segmentation.md](segmentation.md)).",
+        ("seg_saved_bytes",),
+    ),
+    Question(
         "Hugging Face's own switch",
         "`bench_hf_switch.py --time`: `activation_checkpointing_enable` and vision_ckpt's "
         "levels on one `ViTForImageClassification`, one CPU step; saved = bytes kept for "
