@@ -29,7 +29,7 @@ compared with L0's (``bn_exact``).
     python benchmarks/bench_derive.py --models efficientvit_b0 levit_128 fastvit_t8 caformer_s18 \
         --threads 1 --reps 5 --out benchmarks/results/derive_nopreset_b32
 
-(docs/benchmarks.md says how the published files were split over processes.)
+(A published file merges runs over subsets of models; its ``command`` lists them.)
 """
 
 from __future__ import annotations

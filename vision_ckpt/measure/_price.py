@@ -50,7 +50,7 @@ __all__ = [
 # Invariants: the price depends only on shapes, dtypes and the operators run, so a model is
 # priced the same on every run; and only the ratio F / B changes which plan is fastest (the
 # scale only makes the figures readable as seconds). The CPU rates were measured on one machine
-# (benchmarks/price_calibration.py); fitted per model, the ratio varies several-fold with the
+# (benchmarks/results/price_calibration); fitted per model, the ratio varies several-fold with the
 # operator mix (depthwise convolutions, batch norms), and fitted rates ordered derived plans no
 # better on the clock (results: price_calibration, price_rates_b32), so one pair stays. The CUDA
 # rates are a data sheet's order for FP32/TF32 work and HBM, not measured.
