@@ -161,6 +161,15 @@ QUESTIONS = (
         ("torch_range",),
     ),
     Question(
+        "On a GPU, at the batch that matters",
+        "`gpu_check.py --sections frontier` on an H200 (torch 2.11, bf16 autocast): each model "
+        "at the batch where eager level 0 allocates 40% of the card, eager levels, timm's "
+        "switch, and under inductor compiled level 0, compile's `activation_memory_budget` and "
+        "the switch. `allocated` is the allocator's absolute peak (what must fit); time is the "
+        "median ratio over interleaved rounds (see [gpu.md](gpu.md)).",
+        ("gpu_frontier_h200",),
+    ),
+    Question(
         "On a GPU",
         "`gpu_check.py` (see [gpu.md](gpu.md)); a section whose every row passes is one line "
         "here, its rows are in the JSON. Run at commit 001c463 on torch 2.11, where that code "
