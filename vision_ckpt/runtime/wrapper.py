@@ -74,7 +74,7 @@ from torch import nn
 from ..config.levels import NESTING_MODES, Level, Nesting, is_checkpointed, is_group, parse_level
 from ..config.schema import KeepOps
 from ..errors import ConfigError
-from . import _core
+from . import _chain, _core, _frame
 from ._selective import bind_region
 
 __all__ = [
@@ -448,7 +448,7 @@ class Rung:
     it applies at every level from ``level`` on."""
     offload: bool = False
     """A region whose CUDA inputs are kept in pinned host memory (a rule's ``offload``,
-    NOTE [ Offloaded inputs ] in ``_core``); under torch.compile it is a plain region."""
+    NOTE [ Offloaded inputs ] in ``_saved_inputs``); under torch.compile it is a plain region."""
 
     @property
     def selective(self) -> bool:
@@ -616,7 +616,7 @@ def run_policy(
         owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
         module = owner if isinstance(owner, nn.Module) else None
     if label is None:
-        label = _core.region_label(fn)
+        label = _frame.region_label(fn)
     options = dict(
         module=module,
         label=label,
@@ -645,7 +645,7 @@ def _offload_now(rung: Rung, label: str) -> bool:
 
 class ChainCall:
     """One run of sibling modules, called one after another by their parent, checkpointed as
-    one region (a rule's ``through``; NOTE [ Regions of consecutive calls ] in ``_core``).
+    one region (a rule's ``through``; NOTE [ Regions of consecutive calls ] in ``_chain``).
 
     :meth:`open` decides with the first module's policy, as :func:`run_policy` does, and
     :meth:`run` runs each call under the training level captured then, so regions inside the
@@ -654,7 +654,7 @@ class ChainCall:
 
     __slots__ = ("region", "level", "group")
 
-    def __init__(self, region: _core.ChainRegion, level: Level, group: bool) -> None:
+    def __init__(self, region: _chain.ChainRegion, level: Level, group: bool) -> None:
         self.region = region
         self.level = level
         self.group = group
@@ -672,7 +672,7 @@ class ChainCall:
         if torch.compiler.is_compiling():
             note_run_not_compiled(label, key or label)
             return None
-        region = _core.ChainRegion(
+        region = _chain.ChainRegion(
             x, modules=modules, label=label, preserve_rng_state=policy.preserve_rng_state
         )
         return cls(region, *_run_context(policy, rung))
