@@ -34,8 +34,9 @@ same in forward and in recomputation.
 Invariant: whether a region inside a running checkpointed region is checkpointed depends only on
 its own policy and on the innermost running region (its level and whether it is a *group*), both
 of which ``_RunAtLevel`` re-establishes when the outer region is recomputed; so forward and
-recomputation take the same decisions and save the same tensors. ``plan()`` (``apply._decide``)
-computes the same decisions without running the model; both apply the rule in ``nests``.
+recomputation take the same decisions and save the same tensors. ``plan()``
+(``_plan_record.decide``) computes the same decisions without running the model; both apply the
+rule in ``nests``.
 
 - ``all``: every eligible region inside an eligible region is checkpointed too. The outer
   recomputation keeps only the inner regions' inputs (lower backward peak), and each inner block
@@ -444,7 +445,7 @@ class Rung:
     until: Level | None = None
     """The rung stops applying at this training level: one that keeps operator outputs where a
     region inside it that keeps nothing starts (NOTE [ Selective regions step aside ]), a later
-    member's of a run where the run starts (NOTE [ Runs take over ] in ``apply.py``); ``None``:
+    member's of a run where the run starts (NOTE [ Runs take over ] in ``_planning.py``); ``None``:
     it applies at every level from ``level`` on."""
     offload: bool = False
     """A region whose CUDA inputs are kept in pinned host memory (a rule's ``offload``,
@@ -463,7 +464,7 @@ class Rung:
     @property
     def layer_group_run(self) -> bool:
         """A run that is a group of a ModuleList's layers, whose layers keep their own rungs
-        inside it (NOTE [ Groups of a ModuleList ] in ``apply``)."""
+        inside it (NOTE [ Groups of a ModuleList ] in ``_planning``)."""
         return self.through is not None and self.segments is not None
 
     @property
@@ -528,7 +529,7 @@ RungT = TypeVar("RungT")
 def rung_within(rungs: Sequence[RungT], level: int) -> RungT | None:
     """Of ``rungs`` (by increasing level, each with ``level`` and ``until``), the one that
     applies at training ``level``: the highest within it, skipping a rung past its ``until``
-    (NOTE [ Selective regions step aside ], NOTE [ Runs take over ] in ``apply.py``)."""
+    (NOTE [ Selective regions step aside ], NOTE [ Runs take over ] in ``_planning.py``)."""
     chosen = None
     for rung in rungs:
         if not is_checkpointed(rung.level, level):  # type: ignore[attr-defined]

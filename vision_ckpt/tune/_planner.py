@@ -237,7 +237,7 @@ def _with_stage_blocks(model: torch.nn.Module, base: CheckpointConfig, plan: Any
 def _block_run(entry: Any) -> str | None:
     """The last sibling of the run that ``entry``'s block is (a stem's ``through``), or
     ``None``; a group of a ModuleList's layers is a run too, but its block is the first layer
-    alone (NOTE [ Groups of a ModuleList ] in ``apply``)."""
+    alone (NOTE [ Groups of a ModuleList ] in ``_planning``)."""
     return next(
         (r.through for r in entry.rungs or () if r.through and not r.layer_group_run),
         None,
@@ -648,7 +648,7 @@ def _setup(
     }
     entries = list(full_plan.entries)
     ends = _run_ends(entries)
-    # a run's later members are left to the run (its span: NOTE [ Runs take over ] in apply)
+    # a run's later members are left to the run (its span: NOTE [ Runs take over ] in _planning)
     in_runs = {m for e, end in ends.items() for m in run_members(model, e, end, "the planner")[1:]}
     inner_of = {  # the regions inside each block (a lean MLP alone is none)
         n: [

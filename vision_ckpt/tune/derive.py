@@ -1472,7 +1472,7 @@ def _stacks(regions: Regions, plan: dict[str, str]) -> list[Span]:
 # NOTE [ Inner regions alone ]).
 #
 # A member's own full region from the run's level on is left out (the run takes over a later
-# member's rungs from its level, NOTE [ Runs take over ] in apply, and the first member's
+# member's rungs from its level, NOTE [ Runs take over ] in _planning, and the first member's
 # region and the run's, at one level, would be two rungs of one module where one decides).
 
 
