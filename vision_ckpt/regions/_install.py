@@ -299,7 +299,8 @@ class ChainedForward(CheckpointedForward):
         super().__init__(module, name, policy)
         self.chain = chain
         self.index = index
-        self.own = own  # a later member's rungs below the run's level (NOTE [ Runs take over ])
+        # a later member's rungs below the run's level (NOTE [ Runs take over ] in _planning)
+        self.own = own
 
     def _alone(self, *args: Any, **kwargs: Any) -> Any:
         """A member called outside the run, or inside a nested one (a group of layers, in

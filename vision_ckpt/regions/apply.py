@@ -103,7 +103,7 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
         # never checkpointed or lean: leave it untouched
         if (entry.rungs or entry.lean is not None) and entry.name not in in_runs
     )
-    own = {  # a later member's own rungs, for its calls outside the run (NOTE [ Runs take over ])
+    own = {  # a later member's rungs for calls outside its run (NOTE [ Runs take over ], _planning)
         e.name: _policy(the_plan, e, shared)
         for e, _ in installs
         if e.name in in_runs and e.name not in runs
@@ -111,8 +111,8 @@ def apply(model: nn.Module, config: ConfigLike | CheckpointPlan) -> CheckpointPl
     for entry, _ in installs:
         if entry.name in runs:
             names = runs[entry.name]
-            # a group's first layer keeps its rungs below the run inside it too (NOTE [ Groups
-            # of a ModuleList ]); the rungs of another run's first module never nest in it
+            # a group's first layer keeps its rungs below the run inside it too (NOTE [ Groups of
+            # a ModuleList ] in _planning); another run's first module's rungs never nest in it
             group = any(r.layer_group_run for r in entry.rungs)
             if group:
                 alone = replace(entry, rungs=tuple(r for r in entry.rungs if r.through is None))

@@ -185,9 +185,10 @@ def checkpoint_region(
 ) -> Any:
     """:func:`checkpoint` for vision_ckpt's own callers (the wrapper and installed forwards),
     which know what the region is. ``module``: the module whose BatchNorm statistics the
-    recomputation must not update again (NOTE [ Stateful modules during recomputation ]);
+    recomputation must not update again (NOTE [ Stateful modules during recomputation ] in
+    ``_call_state``);
     ``label``: the name errors quote (``'blocks.3'``, ``'blocks[0:4]'``); ``offload``: keep
-    the CUDA inputs in pinned host memory (NOTE [ Offloaded inputs ])."""
+    the CUDA inputs in pinned host memory (NOTE [ Offloaded inputs ] in ``_saved_inputs``)."""
     options = _Options(
         module=module,
         label=label,
@@ -205,13 +206,14 @@ class _Options:
 
     module: torch.nn.Module | None = None
     """The module whose BatchNorm statistics the recomputation must not update again; ``None``:
-    what the region shows (NOTE [ Stateful modules during recomputation ])."""
+    what the region shows (NOTE [ Stateful modules during recomputation ] in ``_call_state``)."""
     label: str | None = None
     """The region's name in errors; ``None``: derived from the region."""
     use_reentrant: bool | None = None
     """Accepted for compatibility; only ``False``/``None`` run (``True`` is an error in eager)."""
     preserve_rng_state: bool = True
-    """Stash and restore the RNG state around the recomputation (NOTE [ RNG state ])."""
+    """Stash and restore the RNG state around the recomputation (NOTE [ RNG state ] in
+    ``_call_state``)."""
     context_fn: Callable[[], tuple[Any, Any]] | None = None
     """The contexts entered around the forward and the recomputation, or ``None``."""
     determinism_check: str = "default"
@@ -221,7 +223,8 @@ class _Options:
     early_stop: bool = True
     """Stop the recomputation as soon as every saved tensor is back."""
     offload: bool = False
-    """Keep the CUDA inputs in pinned host memory (NOTE [ Offloaded inputs ])."""
+    """Keep the CUDA inputs in pinned host memory (NOTE [ Offloaded inputs ] in
+    ``_saved_inputs``)."""
 
 
 def traced_region_is_exact(function: Callable[..., Any], module: torch.nn.Module | None) -> bool:

@@ -289,7 +289,7 @@ def _recompute_contexts(frame: Frame) -> list[Any]:
     contexts: list[Any] = []
     device_type = frame.autocast[0] if frame.autocast is not None else "cuda"
     autocast_contexts(frame.autocast, device_type, contexts)
-    if frame.settings != capture_settings():  # NOTE [ Settings that choose kernels ]
+    if frame.settings != capture_settings():  # NOTE [ Settings that choose kernels ] in _call_state
         contexts.append(KernelSettings(frame.settings))
     if frame.device_ctx is not None:
         contexts.append(torch.device(frame.device_ctx))

@@ -73,7 +73,7 @@ def offload_inputs(tensors: list[torch.Tensor]) -> list[Any]:
 
 def save_inputs(tensors: list[torch.Tensor]) -> list[Any]:
     """The region's tensor inputs as SavedVariables of the enclosing hooks (NOTE [ Nested
-    checkpoints ]), through ``_make_saved_tensor`` where torch has it."""
+    checkpoints ] in ``_frame``), through ``_make_saved_tensor`` where torch has it."""
     if _make_saved_tensor is not None:
         return [_make_saved_tensor(t, is_output=False) for t in tensors]
     return _save_with_function(tensors)
