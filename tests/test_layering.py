@@ -57,6 +57,8 @@ LAYERS: list[set[str]] = [
     {"measure"},
     {"tune._optimise", "tune._spans"},
     {"tune._search"},
+    {"tune._blocks", "tune._budget_plan"},
+    {"tune._menus"},
     {"tune._planner"},
     {"tune.profiling", "tune.fit"},
     {"tune.derive"},

@@ -1,8 +1,8 @@
 """Choosing one strategy per block so a step fits a memory budget in the least time.
 
 Pure arithmetic over measured figures (no torch, no model): :func:`choose` solves the problem
-stated in NOTE [ One strategy per block ]; ``vision_ckpt.tune._planner`` measures the figures and
-checks the answer on the model.
+stated in NOTE [ One strategy per block ]; ``vision_ckpt.tune._menus`` measures the figures and
+``vision_ckpt.tune._planner`` checks the answer on the model.
 """
 
 from __future__ import annotations

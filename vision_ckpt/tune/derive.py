@@ -2,7 +2,7 @@
 
 :func:`derive_preset` traces one forward to find the model's candidate regions
 (``vision_ckpt.tune._spans``), prices every way of running each of them at the target batch with
-the per-block planner's measurements (``vision_ckpt.tune._planner``), and solves the planner's
+the per-block planner's measurements (``vision_ckpt.tune._menus``), and solves the planner's
 program at five memory goals between no checkpointing and the least memory the menus reach.
 Each level keeps what the level below checkpoints (the plan only grows with the level), so the
 five answers are one preset: rules in the bundled presets' vocabulary, readable, editable and
@@ -41,8 +41,9 @@ from ..measure._memory import format_bytes
 from ..measure.peak import physical_floor
 from ..regions.apply import plan, run_members
 from ..runtime.wrapper import training_level
+from ._menus import Menus, measure_menus
 from ._optimise import Block, Choice, Option, Span as ChainSpan, choose, predict
-from ._planner import Menus, least_memory, measure_menus
+from ._planner import least_memory
 from ._spans import Span, trace_spans
 
 __all__ = [
@@ -207,7 +208,7 @@ class Regions:
 
     def base_rules(self) -> list[LevelRule]:
         """The rules that make the planner's candidates: units at level 3, inner regions at
-        level 2, stages at level 4 (NOTE [ Pricing the strategies of a block ] in _planner)."""
+        level 2, stages at level 4 (NOTE [ Pricing the strategies of a block ] in _menus)."""
         rules = [
             *(_rule(s, _STAGE_LEVEL) for s in self.stages),
             *(_rule(s, _UNIT_LEVEL) for s in self.units),
@@ -408,7 +409,7 @@ def _size(model: nn.Module, span: Span, inner: dict[str, list[Span]]) -> int:
 
 # NOTE [ Five levels from one menu ]
 #
-# The planner's menus (NOTE [ Pricing the strategies of a block ] in _planner) are measured once
+# The planner's menus (NOTE [ Pricing the strategies of a block ] in _menus) are measured once
 # at the target batch: per unit, the bytes and seconds of keep / selective / full / nested, and
 # per stage of selective as one region. Bytes are counted and seconds modelled from FLOPs and
 # bytes (NOTE [ A modelled price ] in _price), never timed, so a model derives the same preset
