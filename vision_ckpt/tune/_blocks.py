@@ -206,7 +206,7 @@ def strategy_config(
         strategy = strategies.get(entry.name, "keep")
         if strategy in ("keep", "stage", "stage_below"):
             continue
-        if strategy == "inner":  # its inner regions alone (NOTE [ Inner regions alone ] in derive)
+        if strategy == "inner":  # NOTE [ Inner regions alone ] in _level_search
             rules += inner_rules(ends, inner_of[entry.name])
             continue
         rules.append(

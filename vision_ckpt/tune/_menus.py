@@ -77,7 +77,7 @@ __all__ = ["Menus", "measure_menus", "proportional"]
 # operators selective recomputes in it (NOTE [ One strategy per block ], Spans). With ``held``
 # on the menu (the derivation's), one more forward, every stage one region recomputed whole,
 # gives what such a stage keeps, and its time is every operator in it (NOTE [ A stage
-# recomputed whole ] in ``derive``).
+# recomputed whole ] in _level_search).
 #
 # Base. Level 0's step peak (extrapolated like every peak) minus the keep bytes of all blocks.
 # The step time with no checkpointing is measured at the small batches and extrapolated; the
@@ -454,7 +454,7 @@ def _block_menus(
                 options.append(
                     Option("nested", k, max(0, held - k) + share, seconds(spent["nested"][n]))
                 )
-            if "inner" in menu:  # NOTE [ Inner regions alone ] in derive
+            if "inner" in menu:  # NOTE [ Inner regions alone ] in _level_search
                 options.append(Option("inner", held, share, seconds(spent["inner"][n])))
         blocks.append(Block(n, tuple(options)))
         table.append(
@@ -493,7 +493,7 @@ def _stage_spans(
             spent["held"][g],
         ):  # NOTE [ Products cheap to redo ] in _price
             spans.append(Span(g, first, last, way("stage_below")))
-        if kept["held"].get(g):  # NOTE [ A stage recomputed whole ]
+        if kept["held"].get(g):  # NOTE [ A stage recomputed whole ] in _level_search
             k = int(max(0.0, _line(kept["held"][g], target)))
             seconds = max(0.0, proportional(spent["held"][g], target))
             whole = Option("held", max(0, k - own), max(0, held - k), seconds)
