@@ -68,6 +68,8 @@ LAYERS: list[set[str]] = [
     {"tune"},
     {"integrations.lightning", "integrations.hf"},
     {"integrations"},
+    {"cli._inputs"},
+    {"cli._measuring", "cli._budget"},
     {"cli.main"},
     {"cli"},
     {"__main__"},
