@@ -19,7 +19,7 @@ from vision_ckpt.cli.main import main
 from vision_ckpt.errors import ConfigError
 from vision_ckpt.measure._price import cheap_product_flops
 from vision_ckpt.tune import derive_preset
-from vision_ckpt.tune._optimise import Block, Option, Span
+from vision_ckpt.tune._optimise import Block, Option, StageOption
 from vision_ckpt.tune._planner import least_memory
 from vision_ckpt.tune.derive import regions_of
 
@@ -921,8 +921,8 @@ def test_least_memory_takes_a_stages_leanest_way() -> None:
     # whatever order the menus list them
     keep = Option("keep", 10, 0, 0.0)
     blocks = [Block("a", (keep,)), Block("b", (keep,))]
-    selective = Span("s", 0, 1, Option("stage", 12, 8, 1.0))
-    whole = Span("s", 0, 1, Option("held", 2, 18, 2.0))
+    selective = StageOption("s", 0, 1, Option("stage", 12, 8, 1.0))
+    whole = StageOption("s", 0, 1, Option("held", 2, 18, 2.0))
     for spans in ([selective, whole], [whole, selective]):
         least = least_memory(blocks, 0, spans)
         assert [s.option.strategy for s in least.spans] == ["held"]

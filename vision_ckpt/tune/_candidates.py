@@ -24,7 +24,7 @@ from ..regions.apply import run_members
 from ._spans import Span, trace_spans
 
 __all__ = [
-    "Regions",
+    "CandidateRegions",
     "regions_of",
     "STAGE_LEVEL",
     "is_inside",
@@ -147,7 +147,7 @@ def _pieces(model: nn.Module, block: str, spans: Sequence[Span]) -> list[Span]:
 
 
 @dataclass(frozen=True)
-class Regions:
+class CandidateRegions:
     """The candidate regions of a traced model (NOTE [ Regions from a trace ])."""
 
     units: list[Span]
@@ -202,7 +202,7 @@ def span_rule(span: Span, level: int, **extra: Any) -> LevelRule:
     return LevelRule(**rule)
 
 
-def regions_of(model: nn.Module, example_input: torch.Tensor) -> Regions:
+def regions_of(model: nn.Module, example_input: torch.Tensor) -> CandidateRegions:
     """The regions :func:`derive_preset` chooses from, found by tracing one forward on
     ``example_input`` (NOTE [ Regions from a trace ]); the model is left as it was.
 
@@ -216,7 +216,7 @@ def regions_of(model: nn.Module, example_input: torch.Tensor) -> Regions:
         return _regions(model, trace_spans(model, example_input))
 
 
-def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
+def _regions(model: nn.Module, spans: Sequence[Span]) -> CandidateRegions:
     """Units, inner regions, stages and lean MLPs of a trace (NOTE [ Regions from a trace ])."""
     blocks = [s for s in spans if s.kind == "block"]
     blocks = [b for b in blocks if not any(is_inside(o.name, b.name) for o in blocks)]
@@ -277,7 +277,7 @@ def _regions(model: nn.Module, spans: Sequence[Span]) -> Regions:
     holders = _layer_blocks(spans, units, sizes)
     stages = [s for s in stages if not any(is_inside(s.name, h.name) for h in holders)]
     stages = sorted([*stages, *holders], key=lambda s: s.order)
-    return Regions(units, inner, stages, lean, groups, sizes, chains)
+    return CandidateRegions(units, inner, stages, lean, groups, sizes, chains)
 
 
 def _chains(units: Sequence[Span], spans: Sequence[Span]) -> list[list[Span]]:

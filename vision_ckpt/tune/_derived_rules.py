@@ -20,7 +20,7 @@ from ..config.presets import fallback_rules
 from ..config.schema import CheckpointConfig, LevelRule
 from ..errors import ConfigError
 from ..regions.apply import plan
-from ._candidates import Regions, is_inside, run_span, span_rule
+from ._candidates import CandidateRegions, is_inside, run_span, span_rule
 from ._menus import Menus
 from ._spans import Span
 
@@ -41,7 +41,7 @@ def _first(sequence: Sequence[str], wanted: Sequence[str]) -> int | None:
 
 
 def emit_rules(
-    regions: Regions,
+    regions: CandidateRegions,
     menus: Menus,
     per_level: Sequence[dict[str, str]],
     lean_from: int | None,
@@ -158,7 +158,7 @@ def lost_rules(model: nn.Module, rules: Sequence[LevelRule]) -> list[str]:
     return [str(r) for r in rules if str(r) not in used]
 
 
-def lean_outside_runs(regions: Regions, rules: Sequence[LevelRule]) -> list[Span]:
+def lean_outside_runs(regions: CandidateRegions, rules: Sequence[LevelRule]) -> list[Span]:
     """The lean MLPs that no run of ``rules`` holds and that hold no region of ``rules``: a run
     calls its members' own forwards, and a lean MLP computes its layers itself, so ``plan()``
     refuses either (a run ``fc1..norm`` inside EdgeNeXt's last block's MLP, outside the
@@ -186,7 +186,7 @@ def lean_outside_runs(regions: Regions, rules: Sequence[LevelRule]) -> list[Span
 RECOMPUTED = ("full", "nested", "inner")
 
 
-def group_stacks(regions: Regions, plan: dict[str, str]) -> list[Span]:
+def group_stacks(regions: CandidateRegions, plan: dict[str, str]) -> list[Span]:
     """The stacks that may run as groups under ``plan``: those whose blocks it recomputes whole
     or by their inner regions (over kept or selective blocks a group would cost the stack's
     whole forward again)."""
@@ -219,7 +219,7 @@ def group_stacks(regions: Regions, plan: dict[str, str]) -> list[Span]:
 # region and the run's, at one level, would be two rungs of one module where one decides).
 
 
-def merged_runs(regions: Regions, plan: dict[str, str]) -> list[Span]:
+def merged_runs(regions: CandidateRegions, plan: dict[str, str]) -> list[Span]:
     """The runs of two or more consecutive units of one traced run that ``plan`` recomputes
     (whole or by their inner regions, which then nest in the run; a lean MLP runs alone), each
     as one run span (NOTE [ Runs of units ])."""

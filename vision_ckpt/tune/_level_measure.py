@@ -22,7 +22,7 @@ from ..errors import ConfigError, internal_assert
 from ..measure._extrapolate import extrapolated_peak, peak_measurer
 from ..measure._measure import Workload, applied
 from ..runtime.wrapper import training_level
-from ._candidates import STAGE_LEVEL, Regions, is_inside, span_rule
+from ._candidates import STAGE_LEVEL, CandidateRegions, is_inside, span_rule
 from ._derived import DerivedLevel
 from ._derived_rules import (
     RECOMPUTED,
@@ -78,7 +78,11 @@ class _Additions:
         return [(r, self.runs[r.label]) for r in self.merged if r.label in self.runs]
 
     def rules(
-        self, model: nn.Module, regions: Regions, menus: Menus, per_level: Sequence[dict[str, str]]
+        self,
+        model: nn.Module,
+        regions: CandidateRegions,
+        menus: Menus,
+        per_level: Sequence[dict[str, str]],
     ) -> list[LevelRule]:
         extra = fallback_at(model, self.fallback) if self.fallback is not None else []
         if extra:  # a later member of a derived run is recomputed with its run, not alone
@@ -105,7 +109,7 @@ class _Additions:
 
 def _try_additions(
     work: Workload,
-    regions: Regions,
+    regions: CandidateRegions,
     menus: Menus,
     per_level: Sequence[dict[str, str]],
     levels: list[DerivedLevel],
@@ -164,7 +168,9 @@ def _try_additions(
     return found
 
 
-def _account(levels: list[DerivedLevel], found: _Additions, regions: Regions, menus: Menus) -> None:
+def _account(
+    levels: list[DerivedLevel], found: _Additions, regions: CandidateRegions, menus: Menus
+) -> None:
     """After marking: each addition from the first level that runs its own plan, and the
     forward each adds that the program did not price (a group, a whole stage or the
     fallback's trunk runs its blocks' forwards once more; a run of units none)."""
@@ -195,7 +201,7 @@ def _account(levels: list[DerivedLevel], found: _Additions, regions: Regions, me
 
 
 def measured_levels(
-    work: Workload, regions: Regions, menus: Menus, alone: dict[str, Option], target: int
+    work: Workload, regions: CandidateRegions, menus: Menus, alone: dict[str, Option], target: int
 ) -> tuple[list[DerivedLevel], list[LevelRule]]:
     """Levels 1-5 chosen, measured, given what the program cannot price, and marked, and the
     rules that run them (NOTE [ Five levels from one menu ] in ``_level_search``)."""
@@ -245,7 +251,7 @@ def measured_levels(
     return levels, rules
 
 
-def _anchors(work: Workload, regions: Regions, target: int) -> dict[int, int]:
+def _anchors(work: Workload, regions: CandidateRegions, target: int) -> dict[int, int]:
     """Levels 2 and 3's anchors: the measured peak of every region of the size table's row 2,
     then 3, checkpointed alone (NOTE [ The size table's rows ] in ``_candidates``), where the row
     holds more than the row below."""
@@ -262,7 +268,7 @@ def _anchors(work: Workload, regions: Regions, target: int) -> dict[int, int]:
 
 def _lowest(
     work: Workload,
-    regions: Regions,
+    regions: CandidateRegions,
     menus: Menus,
     least_top: tuple[Choice, Choice],
     lean: int | None,
@@ -292,7 +298,7 @@ def _lowest(
 
 
 def _lean_first(
-    regions: Regions,
+    regions: CandidateRegions,
     menus: Menus,
     top: Choice,
     measure_with: Callable[[int | None], Callable[[int, list[dict[str, str]]], int]],

@@ -13,9 +13,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from ._candidates import Regions, innermost_units
+from ._candidates import CandidateRegions, innermost_units
 from ._menus import Menus
-from ._optimise import Block, Choice, Option, Span as ChainSpan, choose, predict
+from ._optimise import Block, Choice, Option, StageOption, choose, predict
 from ._planner import least_memory
 
 __all__ = [
@@ -135,7 +135,7 @@ def _allowed(previous: str, option: str) -> bool:
 
 def _restricted(
     menus: Menus, previous: Sequence[str], once: bool = False
-) -> tuple[list[Block], list[ChainSpan]]:
+) -> tuple[list[Block], list[StageOption]]:
     """The menus with only the options that grow ``previous`` (NOTE [ Five levels from one
     menu ]), and with ``once`` none that newly recomputes a block twice (``nested``, unless a
     level below, past its knee, made it so already); a stage stays on offer only while all of
@@ -204,7 +204,7 @@ def level_plans(
     previous: tuple[str, ...] = ("keep",) * len(names)
     out: list[_Best] = []
 
-    def level(k: int, goal: int, blocks: list[Block], spans: list[ChainSpan]) -> _Best:
+    def level(k: int, goal: int, blocks: list[Block], spans: list[StageOption]) -> _Best:
         """Level k's mix under ``goal`` from these menus, asked again and made cheaper."""
         asked = goal
         best: _Best | None = None
@@ -264,7 +264,7 @@ def _spaced(peak0: int, top_peak: int, anchors: dict[int, int]) -> list[float]:
 def _cheaper(
     menus: Menus,
     blocks: list[Block],
-    spans: list[ChainSpan],
+    spans: list[StageOption],
     below: list[_Best],
     best: _Best,
     lowest: int,
@@ -348,13 +348,13 @@ def _cheaper(
 # unit recomputed whole below cannot give its region up for its inner ones.
 
 
-def small_stages_whole(menus: Menus, regions: Regions) -> list[ChainSpan]:
+def small_stages_whole(menus: Menus, regions: CandidateRegions) -> list[StageOption]:
     """The stages on the menu, recomputed whole only where they hold single layers (NOTE [ A
     stage recomputed whole ])."""
 
     names = [u.name for u in regions.units]
 
-    def layers_only(span: ChainSpan) -> bool:  # a unit holding units counts by those
+    def layers_only(span: StageOption) -> bool:  # a unit holding units counts by those
         layers = innermost_units(names, span.name)
         return bool(layers) and all(regions.sizes.get(n, 2) == 1 for n in layers)
 

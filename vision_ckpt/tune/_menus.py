@@ -41,7 +41,7 @@ from ._blocks import (
     strategy_config,
     with_stage_blocks,
 )
-from ._optimise import Block, Option, Span
+from ._optimise import Block, Option, StageOption
 
 __all__ = ["Menus", "measure_menus", "proportional"]
 
@@ -84,7 +84,7 @@ __all__ = ["Menus", "measure_menus", "proportional"]
 # predicted time of a plan is that plus its extra work.
 
 
-class _Regions:
+class _BlockTracker:
     """Forward hooks that track the innermost candidate block running, and whether an inner
     region of it is running."""
 
@@ -141,14 +141,14 @@ class _OpTimes(TorchDispatchMode):
 
     def __init__(
         self,
-        regions: _Regions,
+        tracker: _BlockTracker,
         keeps: SaveOps,
         device: torch.device,
         modelled: bool = False,
         below: int | None = None,
     ) -> None:
         super().__init__()
-        self.regions = regions
+        self.tracker = tracker
         self.keeps = keeps
         self.keeps_below = SaveOps(keeps.names, below) if below is not None else None
         self.device_type = device.type
@@ -160,7 +160,7 @@ class _OpTimes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        block = self.regions.innermost()
+        block = self.tracker.innermost()
         if block is None:
             return func(*args, **kwargs)
         if self.modelled:
@@ -182,27 +182,27 @@ class _OpTimes(TorchDispatchMode):
             self.recomputed_below[block] += spent
         elif self.keeps_below is not None and not self.keeps_below.keeps(func, args):
             self.recomputed_below[block] += spent
-        if self.regions.inner:
+        if self.tracker.inner:
             self.inner[block] += spent
         return out
 
 
 @contextlib.contextmanager
-def _regions(
+def _tracking_blocks(
     model: torch.nn.Module, blocks: Sequence[str], inner: Sequence[str], runs: dict[str, list[str]]
 ) -> Iterator[Any]:
-    regions = _Regions(model, blocks, inner, runs)
+    tracker = _BlockTracker(model, blocks, inner, runs)
     try:
-        yield regions
+        yield tracker
     finally:
-        regions.remove()
+        tracker.remove()
 
 
 def _saved_by_block(
     work: Workload, x: torch.Tensor, blocks: Sequence[str], runs: dict[str, list[str]]
 ) -> dict[str, int]:
-    with _regions(work.model, blocks, (), runs) as regions:
-        with count_saved_bytes(work.model, region=regions.innermost) as saved:
+    with _tracking_blocks(work.model, blocks, (), runs) as tracker:
+        with count_saved_bytes(work.model, region=tracker.innermost) as saved:
             out = work.model(x)
         del out
     return {name: saved.by_region.get(name, 0) for name in blocks}
@@ -218,8 +218,8 @@ def _timed_forward(
     below: int | None = None,
 ) -> _OpTimes:
     keeps = SaveOps(HEAVY_OPS, default=True)
-    with _regions(work.model, blocks, inner, runs) as regions:
-        with _OpTimes(regions, keeps, work.device, modelled, below) as times:
+    with _tracking_blocks(work.model, blocks, inner, runs) as tracker:
+        with _OpTimes(tracker, keeps, work.device, modelled, below) as times:
             out = work.model(x)
         del out
     return times
@@ -251,7 +251,7 @@ class Menus:
     base: int
     """Level 0's peak minus the blocks' keep bytes (NOTE [ Pricing the strategies of a block ])."""
     base_time: float
-    spans: list[Span] = field(default_factory=list)
+    spans: list[StageOption] = field(default_factory=list)
     """The stages on the menu, over the blocks' chain."""
     stage_table: list[dict[str, Any]] = field(default_factory=list)
     stage_of: dict[str, str] = field(default_factory=dict)
@@ -471,7 +471,7 @@ def _block_menus(
 
 def _stage_spans(
     setup: _Setup, kept: _Points, spent: _Points, blocks: list[Block], target: int
-) -> tuple[list[Span], list[dict[str, Any]]]:
+) -> tuple[list[StageOption], list[dict[str, Any]]]:
     """Each stage as one selective region over its blocks' chain and, where measured, as one
     region recomputed whole (alone, and around its blocks recomputed whole), and the stages
     as a table."""
@@ -487,17 +487,17 @@ def _stage_spans(
             return Option(strategy, max(0, k - own), max(0, held - k), seconds)
 
         option = way("stage")
-        spans.append(Span(g, first, last, option))
+        spans.append(StageOption(g, first, last, option))
         if kept["stage_below"].get(g) and spent["stage_below"][g] not in (
             spent["stage"][g],
             spent["held"][g],
         ):  # NOTE [ Products cheap to redo ] in _price
-            spans.append(Span(g, first, last, way("stage_below")))
+            spans.append(StageOption(g, first, last, way("stage_below")))
         if kept["held"].get(g):  # NOTE [ A stage recomputed whole ] in _level_search
             k = int(max(0.0, _line(kept["held"][g], target)))
             seconds = max(0.0, proportional(spent["held"][g], target))
             whole = Option("held", max(0, k - own), max(0, held - k), seconds)
-            spans.append(Span(g, first, last, whole))
+            spans.append(StageOption(g, first, last, whole))
             fulls = [
                 o for i in range(first, last + 1) for o in blocks[i].options if o.strategy == "full"
             ]
@@ -508,7 +508,7 @@ def _stage_spans(
                 again = Option(
                     "held_nested", whole.kept, min(whole.transient, max(0, inner - k)), time
                 )
-                spans.append(Span(g, first, last, again))
+                spans.append(StageOption(g, first, last, again))
         stage_table.append(
             {
                 "name": g,

@@ -41,7 +41,7 @@ from ..measure._measure import (
 from ..runtime.wrapper import training_level
 from ._budget_plan import PLANNER_MENU, STRATEGIES, BudgetPlan, fastest_fitting_level
 from ._menus import Menus, measure_menus, proportional
-from ._optimise import Block, Choice, Option, Span, choose, predict
+from ._optimise import Block, Choice, Option, StageOption, choose, predict
 from ._search import check_margin
 
 __all__ = [
@@ -429,7 +429,7 @@ def planner_frontier(
     return sorted(found.values(), key=lambda p: p["peak"])
 
 
-def least_memory(blocks: Sequence[Block], base: int, spans: Sequence[Span] = ()) -> Choice:
+def least_memory(blocks: Sequence[Block], base: int, spans: Sequence[StageOption] = ()) -> Choice:
     """Per block the option that keeps the fewest bytes (ties: the smaller transient, then the
     faster), and each stage that keeps fewer than its blocks would, in the way that keeps the
     fewest (same ties). Kept + transient would not tell them apart: for full and selective
@@ -440,7 +440,7 @@ def least_memory(blocks: Sequence[Block], base: int, spans: Sequence[Span] = ())
         return o.kept, o.transient, o.time
 
     options = [min(b.options, key=fewest) for b in blocks]
-    taken: list[Span] = []
+    taken: list[StageOption] = []
     for span in sorted(spans, key=lambda s: (s.first, *fewest(s.option))):
         inside = range(span.first, span.last + 1)
         if any(t.first <= span.last and span.first <= t.last for t in taken):

@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from ..measure._extrapolate import predict_from_timelines, small_batches
 from ..measure._measure import LossFn, Workload, default_loss, model_restored
 from ..measure.peak import physical_floor
-from ._candidates import Regions, regions_of
+from ._candidates import CandidateRegions, regions_of
 from ._derived import DerivedLevel, DerivedPreset
 from ._level_measure import measured_levels, measured_peak
 from ._level_search import DERIVE_MENU, inner_apart, small_stages_whole
@@ -39,7 +39,7 @@ from ._menus import measure_menus
 __all__ = [
     "DerivedLevel",
     "DerivedPreset",
-    "Regions",
+    "CandidateRegions",
     "derive_preset",
     "regions_of",
     "resolve_derived",
