@@ -1170,17 +1170,17 @@ def test_a_tensor_passed_in_several_places_is_one_object_when_recomputed() -> No
 def without_make_saved_tensor(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The path for torch builds that lack torch._C._autograd._make_saved_tensor; the list
     counts the calls of the fallback that saves inputs through an autograd Function."""
-    import vision_ckpt.runtime._core as core
+    import vision_ckpt.runtime._saved_inputs as saved
 
     calls: list[int] = []
-    real = core._save_with_function
+    real = saved._save_with_function
 
     def counting(tensors: list[torch.Tensor]) -> list[Any]:
         calls.append(len(tensors))
         return real(tensors)
 
-    monkeypatch.setattr(core, "_make_saved_tensor", None)
-    monkeypatch.setattr(core, "_save_with_function", counting)
+    monkeypatch.setattr(saved, "_make_saved_tensor", None)
+    monkeypatch.setattr(saved, "_save_with_function", counting)
     return calls
 
 
@@ -1440,13 +1440,13 @@ def test_an_offloaded_input_comes_back_as_it_was() -> None:
     """NOTE [ Offloaded inputs ]: the host copy keeps shape, strides (channels-last here),
     dtype and requires_grad, and the values bit for bit. (On CPU the copy is not pinned: the
     device path, pinned and non-blocking, needs a GPU.)"""
-    from vision_ckpt.runtime._core import _HostCopy, _offload_inputs, _offloadable
+    from vision_ckpt.runtime._saved_inputs import HostCopy, _offloadable, offload_inputs
 
     x = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last).requires_grad_()
-    copy = _HostCopy(x, pin=False)
+    copy = HostCopy(x, pin=False)
     back = copy.unpack()
     assert back.stride() == x.stride() and back.dtype == x.dtype and back.requires_grad
     assert torch.equal(back, x) and back.data_ptr() != x.data_ptr()
     # on CPU nothing is offloaded: the inputs stay SavedVariables
     assert not _offloadable(x)
-    assert not any(isinstance(s, _HostCopy) for s in _offload_inputs([x, x.detach()]))
+    assert not any(isinstance(s, HostCopy) for s in offload_inputs([x, x.detach()]))

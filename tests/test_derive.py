@@ -19,7 +19,7 @@ from vision_ckpt.cli.main import main
 from vision_ckpt.errors import ConfigError
 from vision_ckpt.measure._price import cheap_product_flops
 from vision_ckpt.tune import derive_preset
-from vision_ckpt.tune._optimise import Block, Option, Span
+from vision_ckpt.tune._optimise import Block, Option, StageOption
 from vision_ckpt.tune._planner import least_memory
 from vision_ckpt.tune.derive import regions_of
 
@@ -227,10 +227,11 @@ def test_a_derivation_measures_its_plans_at_the_two_small_batches(monkeypatch) -
 def test_a_level_measured_over_its_goal_is_asked_again_for_less(derived, monkeypatch) -> None:
     # the program's prediction of a mix can miss; a level whose measured peak lands more than
     # 5% over its goal is chosen again with the goal lowered by the factor missed
-    import vision_ckpt.tune.derive as derive
+    import vision_ckpt.tune._level_measure as level_measure
+    import vision_ckpt.tune._level_search as level_search
 
     model, _ = derived
-    measured = derive._measured_peak
+    measured = level_measure.measured_peak
 
     def plans_at_level_1(factor: float) -> set[str]:
         seen: set[str] = set()
@@ -242,12 +243,12 @@ def test_a_level_measured_over_its_goal_is_asked_again_for_less(derived, monkeyp
             seen.add(config.model_dump_json())
             return int(peak * factor)
 
-        monkeypatch.setattr(derive, "_measured_peak", inflated)
+        monkeypatch.setattr(level_measure, "measured_peak", inflated)
         derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
         return seen
 
     # no search for a cheaper mix at a missed peak: only asking again measures one more mix
-    monkeypatch.setattr(derive, "_cheaper", lambda *args: args[4])
+    monkeypatch.setattr(level_search, "_cheaper", lambda *args: args[4])
     assert len(plans_at_level_1(1.3)) > len(plans_at_level_1(1.0))
 
 
@@ -420,11 +421,11 @@ def test_a_unit_holding_units_is_nested_with_their_runs(
 ) -> None:
     """The head is a unit and so are the runs inside it: nested, it recomputes them as the runs
     the planner priced (their spans kept), and every level stays exact."""
-    import vision_ckpt.tune.derive as derive
+    import vision_ckpt.tune._level_measure as level_measure
 
     # level 5 (the least memory) nests the head; unmarked, it keeps its own plan even where it
     # lowers the peak by less than 5% on this small net
-    monkeypatch.setattr(derive, "_mark_steps", lambda *args: None)
+    monkeypatch.setattr(level_measure, "_mark_steps", lambda *args: None)
     torch.manual_seed(0)
     model = _NetWithHead()
     units = [u.label for u in regions_of(model, torch.randn(2, 3, 32, 32)).units]
@@ -464,10 +465,10 @@ def _predicted(menus, plan: dict[str, str], what: int = 0) -> int | float:
 def test_levels_are_spaced_towards_the_measured_top_not_the_programs() -> None:
     # the step peaks where the program does not look (a floor of 450 bytes under every plan):
     # goals spaced towards the program's least memory (250) would all land on that floor
-    from vision_ckpt.tune.derive import _plans
+    from vision_ckpt.tune._level_search import level_plans
 
     menus = _chain()
-    out = _plans(menus, lambda k, plans: max(450, _predicted(menus, plans[-1])))
+    out = level_plans(menus, lambda k, plans: max(450, _predicted(menus, plans[-1])))
     measured = [peak for _, _, peak in out]
     assert measured[0] > measured[1] > 450 and measured[1] > measured[2], measured
     # level 4 is the cheapest mix measured at the floor found, not the least-memory mix
@@ -477,17 +478,17 @@ def test_levels_are_spaced_towards_the_measured_top_not_the_programs() -> None:
 def test_a_level_goes_at_least_as_low_as_its_anchor() -> None:
     # spaced, level 2 would stop above what checkpointing every small block measures (DenseNet:
     # 989 MiB spaced, 581 its dense layers alone); its anchor is the most it may keep
-    from vision_ckpt.tune.derive import _plans
+    from vision_ckpt.tune._level_search import level_plans
 
     # (on these menus level 2 is spaced onto their least memory already: the anchor is put on
     # level 1, whose spaced goal stops at 450 bytes, selective blocks)
     menus = _chain()
-    spaced = _plans(menus, lambda k, plans: _predicted(menus, plans[-1]))
-    anchored = _plans(menus, lambda k, plans: _predicted(menus, plans[-1]), anchors={1: 300})
+    spaced = level_plans(menus, lambda k, plans: _predicted(menus, plans[-1]))
+    anchored = level_plans(menus, lambda k, plans: _predicted(menus, plans[-1]), anchors={1: 300})
     assert spaced[0][2] > 300 * 1.05 >= anchored[0][2], (spaced[0][2], anchored[0][2])
     assert "full" in anchored[0][0].values() and "full" not in spaced[0][0].values()
     # an anchor above the spaced goal changes nothing
-    loose = _plans(menus, lambda k, plans: _predicted(menus, plans[-1]), anchors={1: 10**6})
+    loose = level_plans(menus, lambda k, plans: _predicted(menus, plans[-1]), anchors={1: 10**6})
     assert [p for _, _, p in loose] == [p for _, _, p in spaced]
 
 
@@ -495,7 +496,7 @@ def test_a_level_above_a_level_past_its_knee_keeps_its_nested_blocks() -> None:
     # one recomputation per block moves nothing below 450 bytes here, so level 2 goes past its
     # knee with nested blocks; level 3, bounded by one recomputation again, keeps them (it
     # had no option left for them: MONAI VNet's derivation failed there)
-    from vision_ckpt.tune.derive import _plans
+    from vision_ckpt.tune._level_search import level_plans
 
     menus = _chain()
 
@@ -503,7 +504,7 @@ def test_a_level_above_a_level_past_its_knee_keeps_its_nested_blocks() -> None:
         peak = _predicted(menus, plans[-1])
         return peak if "nested" in plans[-1].values() else max(450, peak)
 
-    out = _plans(menus, measure)
+    out = level_plans(menus, measure)
     assert "nested" in out[1][0].values()
     for below, above in zip(out[1:], out[2:], strict=False):
         nested = {n for n, s in below[0].items() if s == "nested"}
@@ -513,7 +514,7 @@ def test_a_level_above_a_level_past_its_knee_keeps_its_nested_blocks() -> None:
 def test_a_level_that_misses_its_goal_keeps_the_fastest_plan_at_that_peak() -> None:
     # level 2 measures over its goal whatever is chosen: asking again for less buys nothing,
     # so the level ends with the fastest of the plans measured at that peak, never a slower one
-    from vision_ckpt.tune.derive import _plans
+    from vision_ckpt.tune._level_search import level_plans
 
     menus = _chain()
     seen: list[dict[str, str]] = []
@@ -524,7 +525,7 @@ def test_a_level_that_misses_its_goal_keeps_the_fastest_plan_at_that_peak() -> N
             return 650
         return _predicted(menus, plans[-1])
 
-    out = _plans(menus, measure)
+    out = level_plans(menus, measure)
     times = [_predicted(menus, plan, 1) for plan in seen]
     assert len(seen) >= 3 and max(times) > min(times)
     assert out[1][2] == 650 and out[1][1].time == min(times), (out[1][0], seen)
@@ -888,7 +889,7 @@ def test_each_run_of_units_is_kept_or_dropped_on_its_own(
     # NOTE [ Runs of units ]: MONAI VNet's encoder run lowered its level 4 by 9%, its decoder
     # run raised level 5 by 4%, and tried together neither was kept. Here the measured peaks
     # say the same of the two runs of _TwoChains: the encoder's is kept, the other is not
-    import vision_ckpt.tune.derive as derive
+    import vision_ckpt.tune._level_measure as level_measure
 
     torch.manual_seed(0)
     model = _TwoChains()
@@ -897,14 +898,14 @@ def test_each_run_of_units_is_kept_or_dropped_on_its_own(
         ["inp", "down"],
         ["up", "t1", "t2"],
     ]
-    measured = derive._measured_peak
+    measured = level_measure.measured_peak
 
     def peak(work, config, level, target):  # type: ignore[no-untyped-def]
         runs = {r.through for r in config.rules if r.level <= level}
         factor = (0.9 if "down" in runs else 1.0) * (1.2 if "t2" in runs else 1.0)
         return int(measured(work, config, level, target) * factor)
 
-    monkeypatch.setattr(derive, "_measured_peak", peak)
+    monkeypatch.setattr(level_measure, "measured_peak", peak)
     found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
     kept = [(lv.level, lv.runs) for lv in found.levels if lv.runs]
     assert kept and all(runs == ("inp..down",) for _, runs in kept), kept
@@ -920,8 +921,8 @@ def test_least_memory_takes_a_stages_leanest_way() -> None:
     # whatever order the menus list them
     keep = Option("keep", 10, 0, 0.0)
     blocks = [Block("a", (keep,)), Block("b", (keep,))]
-    selective = Span("s", 0, 1, Option("stage", 12, 8, 1.0))
-    whole = Span("s", 0, 1, Option("held", 2, 18, 2.0))
+    selective = StageOption("s", 0, 1, Option("stage", 12, 8, 1.0))
+    whole = StageOption("s", 0, 1, Option("held", 2, 18, 2.0))
     for spans in ([selective, whole], [whole, selective]):
         least = least_memory(blocks, 0, spans)
         assert [s.option.strategy for s in least.spans] == ["held"]

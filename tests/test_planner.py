@@ -23,7 +23,14 @@ import vision_ckpt
 from vision_ckpt import CheckpointConfig, ConfigError
 from vision_ckpt.cli.main import main
 from vision_ckpt.measure._memory import track_peak_memory
-from vision_ckpt.tune._optimise import Block, Option, Span, choose, choose_exhaustively, predict
+from vision_ckpt.tune._optimise import (
+    Block,
+    Option,
+    StageOption,
+    choose,
+    choose_exhaustively,
+    predict,
+)
 from vision_ckpt.tune.profiling import default_loss, plan_for_budget, planner_frontier, resolve_auto
 
 
@@ -77,7 +84,7 @@ def test_the_program_matches_exhaustive_search(seed: int) -> None:
     assert smallest <= everything
 
 
-def _random_spans(rng: random.Random, blocks: list[Block]) -> list[Span]:
+def _random_spans(rng: random.Random, blocks: list[Block]) -> list[StageOption]:
     spans = []
     for _ in range(rng.randint(0, 3)):
         if len(blocks) < 2:
@@ -87,7 +94,7 @@ def _random_spans(rng: random.Random, blocks: list[Block]) -> list[Span]:
         keep = sum(b.options[0].kept for b in blocks[first : last + 1])
         kept = rng.randint(keep // 5, keep)
         option = Option("stage", kept, keep - kept, rng.uniform(0.01, 0.5))
-        spans.append(Span(f"s{first}-{last}", first, last, option))
+        spans.append(StageOption(f"s{first}-{last}", first, last, option))
     return spans
 
 
@@ -117,7 +124,7 @@ def test_the_program_with_spans_matches_exhaustive_search(seed: int) -> None:
 def test_spans_must_cover_two_blocks() -> None:
     blocks = [Block("a", (Option("keep", 10, 0, 0.0),))] * 2
     with pytest.raises(ValueError, match="span 'x' covers blocks 1..1"):
-        choose(blocks, 0, 100, spans=[Span("x", 1, 1, Option("stage", 1, 1, 0.1))])
+        choose(blocks, 0, 100, spans=[StageOption("x", 1, 1, Option("stage", 1, 1, 0.1))])
 
 
 def test_the_program_says_when_nothing_fits() -> None:

@@ -129,13 +129,13 @@ def test_plan_counts_the_regions_the_forward_checkpoints(
     core_calls, monkeypatch, scratch_preset
 ) -> None:
     runs = []  # regions made of sibling calls (level 5's attention halves) open a ChainRegion
-    real_run = vision_ckpt.runtime._core.ChainRegion
+    real_run = vision_ckpt.runtime._chain.ChainRegion
 
     def counting_run(*args, **kwargs):
         runs.append(kwargs.get("label"))
         return real_run(*args, **kwargs)
 
-    monkeypatch.setattr(vision_ckpt.runtime._core, "ChainRegion", counting_run)
+    monkeypatch.setattr(vision_ckpt.runtime._chain, "ChainRegion", counting_run)
     model, x = _model("vit_tiny_patch16_224")
     depth = len(model.blocks)
     preset = scratch_preset("vit_like")  # groups from level 4 (the `segments` below)

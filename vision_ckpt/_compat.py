@@ -9,7 +9,7 @@ Each feature, where torch has it natively, and the fallback on releases without 
 
 * :data:`make_saved_tensor`: ``_make_saved_tensor`` (2.12). Before: ``None``, and the core saves
   a region's inputs through an autograd Function (NOTE [ Inputs saved through a Function ] in
-  ``runtime._core``).
+  ``runtime._saved_inputs``).
 * :func:`top_pack_hook`, :func:`user_saved_tensors_hooks`: ``_top_saved_tensors_default_hooks``
   (2.8; absent in 2.6). Before: the hooks vision_ckpt pushed itself, kept on a per-thread stack
   (NOTE [ Saved-tensor hooks seen on older torch ]).
@@ -120,7 +120,7 @@ hooks around the region (``respect_saved_tensors_hooks``, 2.14)."""
 #
 # The core must know which saved-tensor hooks are active below its own: a run of sibling calls
 # is one region only while every call sees the same hooks (NOTE [ Regions of consecutive calls ]
-# in _core), and torch's selective mode hands what it keeps to the first hooks that are not a
+# in _chain), and torch's selective mode hands what it keeps to the first hooks that are not a
 # checkpoint's own (the ``_checkpoint_internal``/``_user_hooks`` protocol). Torch 2.8 and newer
 # answer "which hooks are on top" directly. On older releases only the hooks vision_ckpt pushes
 # itself, through push_saved_tensors_hooks or saved_tensors_hooks below, can be seen: they are

@@ -81,7 +81,7 @@ def selecting(rule: LevelRule, modules: list[tuple[str, Any]]) -> Iterator[str]:
     root = modules[0][1]  # named_modules() starts with ("", the model)
     for name, module in modules:
         if matcher.matches(name, type(module).__name__, qualified_class_name(module)) and (
-            # A run that this model lacks: see NOTE [ A preset's runs ] in apply.py.
+            # A run that this model lacks: see NOTE [ A preset's runs ] in _planning.py.
             rule.through is None or rule.through in later_siblings(root, name)
         ):
             yield name
@@ -116,7 +116,7 @@ def wrapper_rules(
                 type(original if not name else module).__name__,
                 qualified_class_name(original if not name else module),
             )
-            # a run the original model lacks (NOTE [ A preset's runs ] in apply.py)
+            # a run the original model lacks (NOTE [ A preset's runs ] in _planning.py)
             and (
                 rule.through is None
                 or rule.through in later_siblings(original, original_name(name))

@@ -277,13 +277,14 @@ class ChainedForward(CheckpointedForward):
     The first member opens the run (when its policy checkpoints it now) and a later member
     joins it only if it receives exactly the previous member's output, unmodified, with grad
     mode, autocast and the enclosing region unchanged: then replaying the members that joined,
-    in order, recomputes the region (NOTE [ Regions of consecutive calls ] in ``_core``). The
-    member that joins may be a later one than the next: the members are a range of the
-    parent's registered children, and a parent may register a child inside that range that it
-    calls elsewhere (MONAI's up-transition registers the skip's dropout between its norm and
-    activation, and calls it first); such a member is skipped, never replayed. Any other call
-    ends the run where it is and runs plainly, so a parent that does something else between
-    them gets exact gradients and a warning, never a wrong recomputation.
+    in order, recomputes the region (NOTE [ Regions of consecutive calls ] in
+    ``runtime._chain``). The member that joins may be a later one than the next: the members
+    are a range of the parent's registered children, and a parent may register a child inside
+    that range that it calls elsewhere (MONAI's up-transition registers the skip's dropout
+    between its norm and activation, and calls it first); such a member is skipped, never
+    replayed. Any other call ends the run where it is and runs plainly, so a parent that does
+    something else between them gets exact gradients and a warning, never a wrong
+    recomputation.
     """
 
     def __init__(
@@ -298,7 +299,8 @@ class ChainedForward(CheckpointedForward):
         super().__init__(module, name, policy)
         self.chain = chain
         self.index = index
-        self.own = own  # a later member's rungs below the run's level (NOTE [ Runs take over ])
+        # a later member's rungs below the run's level (NOTE [ Runs take over ] in _planning)
+        self.own = own
 
     def _alone(self, *args: Any, **kwargs: Any) -> Any:
         """A member called outside the run, or inside a nested one (a group of layers, in

@@ -1,7 +1,10 @@
 """The runtime: what runs while a model trains.
 
-Owns the bundled checkpoint core (``_core``: regions, recomputation, RNG and BatchNorm
-handling), the operator keep policy of selective regions (``_selective``), the exact leaner MLP
-backward (``_lean``), and the wrapper with the training level (``wrapper``). It imports the base
-modules and the config's levels and schema, never a layer above it.
+Owns the bundled checkpoint core (``_core``: the checkpoint functions and the call of one
+region; ``_frame``: its saved-tensor hooks and recomputation; ``_call_state``: the RNG,
+autocast, kernel settings and BatchNorm statistics a recomputation reinstates;
+``_saved_inputs``: how a region's inputs wait; ``_chain``: a region of consecutive calls), the
+operator keep policy of selective regions (``_selective``), the exact leaner MLP backward
+(``_lean``), and the wrapper with the training level (``wrapper``). It imports the base modules
+and the config's levels and schema, never a layer above it.
 """

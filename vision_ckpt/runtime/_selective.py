@@ -172,7 +172,7 @@ class SaveOps:
             return forward_ctx, recompute_ctx
         # What the selective cache keeps goes through the saved-tensor hooks around the region
         # (count_saved_bytes, save_on_cpu), as autograd's saved tensors do; the core's hooks
-        # follow torch's protocol for finding them (NOTE [ Nested checkpoints ] in _core).
+        # follow torch's protocol for finding them (NOTE [ Nested checkpoints ] in _frame).
         # Older torch keeps them by reference only: NOTE [ Kept outputs on older torch ].
         if _compat.SELECTIVE_KEEPS_HOOKS:
             forward_ctx.respect_saved_tensors_hooks = True
@@ -362,7 +362,7 @@ class _KeepBeforeWrite(TorchDispatchMode):
 # generator would not advance, and every random operator after it in the region (dropout,
 # drop-path) would draw another mask than the forward did -- silently wrong gradients. So such
 # an operator is always recomputed, whatever save_ops names, and the recomputation, which starts
-# from the forward's RNG state (NOTE [ RNG state ] in _core), draws exactly what it drew.
+# from the forward's RNG state (NOTE [ RNG state ] in _call_state), draws exactly what it drew.
 # SDPA kernels are only seeded when called with dropout_p > 0: one without dropout is kept.
 
 

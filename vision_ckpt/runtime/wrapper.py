@@ -34,8 +34,9 @@ same in forward and in recomputation.
 Invariant: whether a region inside a running checkpointed region is checkpointed depends only on
 its own policy and on the innermost running region (its level and whether it is a *group*), both
 of which ``_RunAtLevel`` re-establishes when the outer region is recomputed; so forward and
-recomputation take the same decisions and save the same tensors. ``plan()`` (``apply._decide``)
-computes the same decisions without running the model; both apply the rule in ``nests``.
+recomputation take the same decisions and save the same tensors. ``plan()``
+(``_plan_record.decide``) computes the same decisions without running the model; both apply the
+rule in ``nests``.
 
 - ``all``: every eligible region inside an eligible region is checkpointed too. The outer
   recomputation keeps only the inner regions' inputs (lower backward peak), and each inner block
@@ -74,7 +75,7 @@ from torch import nn
 from ..config.levels import NESTING_MODES, Level, Nesting, is_checkpointed, is_group, parse_level
 from ..config.schema import KeepOps
 from ..errors import ConfigError
-from . import _core
+from . import _chain, _core, _frame
 from ._selective import bind_region
 
 __all__ = [
@@ -444,11 +445,11 @@ class Rung:
     until: Level | None = None
     """The rung stops applying at this training level: one that keeps operator outputs where a
     region inside it that keeps nothing starts (NOTE [ Selective regions step aside ]), a later
-    member's of a run where the run starts (NOTE [ Runs take over ] in ``apply.py``); ``None``:
+    member's of a run where the run starts (NOTE [ Runs take over ] in ``_planning.py``); ``None``:
     it applies at every level from ``level`` on."""
     offload: bool = False
     """A region whose CUDA inputs are kept in pinned host memory (a rule's ``offload``,
-    NOTE [ Offloaded inputs ] in ``_core``); under torch.compile it is a plain region."""
+    NOTE [ Offloaded inputs ] in ``_saved_inputs``); under torch.compile it is a plain region."""
 
     @property
     def selective(self) -> bool:
@@ -463,7 +464,7 @@ class Rung:
     @property
     def layer_group_run(self) -> bool:
         """A run that is a group of a ModuleList's layers, whose layers keep their own rungs
-        inside it (NOTE [ Groups of a ModuleList ] in ``apply``)."""
+        inside it (NOTE [ Groups of a ModuleList ] in ``_planning``)."""
         return self.through is not None and self.segments is not None
 
     @property
@@ -528,7 +529,7 @@ RungT = TypeVar("RungT")
 def rung_within(rungs: Sequence[RungT], level: int) -> RungT | None:
     """Of ``rungs`` (by increasing level, each with ``level`` and ``until``), the one that
     applies at training ``level``: the highest within it, skipping a rung past its ``until``
-    (NOTE [ Selective regions step aside ], NOTE [ Runs take over ] in ``apply.py``)."""
+    (NOTE [ Selective regions step aside ], NOTE [ Runs take over ] in ``_planning.py``)."""
     chosen = None
     for rung in rungs:
         if not is_checkpointed(rung.level, level):  # type: ignore[attr-defined]
@@ -616,7 +617,7 @@ def run_policy(
         owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
         module = owner if isinstance(owner, nn.Module) else None
     if label is None:
-        label = _core.region_label(fn)
+        label = _frame.region_label(fn)
     options = dict(
         module=module,
         label=label,
@@ -645,7 +646,7 @@ def _offload_now(rung: Rung, label: str) -> bool:
 
 class ChainCall:
     """One run of sibling modules, called one after another by their parent, checkpointed as
-    one region (a rule's ``through``; NOTE [ Regions of consecutive calls ] in ``_core``).
+    one region (a rule's ``through``; NOTE [ Regions of consecutive calls ] in ``_chain``).
 
     :meth:`open` decides with the first module's policy, as :func:`run_policy` does, and
     :meth:`run` runs each call under the training level captured then, so regions inside the
@@ -654,7 +655,7 @@ class ChainCall:
 
     __slots__ = ("region", "level", "group")
 
-    def __init__(self, region: _core.ChainRegion, level: Level, group: bool) -> None:
+    def __init__(self, region: _chain.ChainRegion, level: Level, group: bool) -> None:
         self.region = region
         self.level = level
         self.group = group
@@ -672,7 +673,7 @@ class ChainCall:
         if torch.compiler.is_compiling():
             note_run_not_compiled(label, key or label)
             return None
-        region = _core.ChainRegion(
+        region = _chain.ChainRegion(
             x, modules=modules, label=label, preserve_rng_state=policy.preserve_rng_state
         )
         return cls(region, *_run_context(policy, rung))

@@ -1,10 +1,14 @@
 """Tuning: choosing levels and plans from measurements.
 
 Owns the profile of every level and the lowest level that fits (``profiling``, ``_search``), the
-per-block planner for a budget (``_planner``, ``_optimise``), the largest batch that fits
-(``fit``), and levels derived by measurement for any model (``derive``, with the candidate
-spans of a traced forward in ``_spans``). It imports every layer below; only the integrations
-and the command line sit above it. Its public names are the tuning tools:
+per-block planner for a budget (``_planner``, with its candidate blocks in ``_blocks``, their
+priced menus in ``_menus``, its answer in ``_budget_plan`` and its program in ``_optimise``),
+the largest batch that fits (``fit``), and levels derived by measurement for any model
+(``derive``, with the candidate spans of a traced forward in ``_spans``, the regions made of
+them in ``_candidates``, the levels chosen in ``_level_search`` and measured in
+``_level_measure``, written as rules in ``_derived_rules``, the answer in ``_derived``). It
+imports every layer below; only the integrations and the command line sit above it. Its public
+names are the tuning tools:
 
 >>> import timm, torch, vision_ckpt.tune as tune
 >>> model = timm.create_model("resnet18", pretrained=False, num_classes=4)

@@ -1,8 +1,8 @@
 """Choosing one strategy per block so a step fits a memory budget in the least time.
 
 Pure arithmetic over measured figures (no torch, no model): :func:`choose` solves the problem
-stated in NOTE [ One strategy per block ]; ``vision_ckpt.tune._planner`` measures the figures and
-checks the answer on the model.
+stated in NOTE [ One strategy per block ]; ``vision_ckpt.tune._menus`` measures the figures and
+``vision_ckpt.tune._planner`` checks the answer on the model.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Option", "Block", "Span", "Choice", "choose", "predict", "choose_exhaustively"]
+__all__ = ["Option", "Block", "StageOption", "Choice", "choose", "predict", "choose_exhaustively"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Block:
 
 
 @dataclass(frozen=True)
-class Span:
+class StageOption:
     """An option for a run of consecutive blocks as one region (a stage run selective)."""
 
     name: str
@@ -69,7 +69,7 @@ class Choice:
     """Predicted step peak (``base`` included)."""
     time: float
     """Predicted extra seconds per step."""
-    spans: tuple[Span, ...] = ()
+    spans: tuple[StageOption, ...] = ()
     """The chosen spans."""
 
 
@@ -125,7 +125,7 @@ def predict(blocks: Sequence[Block], options: Sequence[Option], base: int) -> tu
     return base + max(prefix, worst), total
 
 
-def _check_spans(blocks: Sequence[Block], spans: Sequence[Span]) -> None:
+def _check_spans(blocks: Sequence[Block], spans: Sequence[StageOption]) -> None:
     for span in spans:
         if not 0 <= span.first < span.last < len(blocks):
             raise ValueError(
@@ -139,7 +139,7 @@ def choose(
     base: int,
     budget: int,
     resolution: int = 4096,
-    spans: Sequence[Span] = (),
+    spans: Sequence[StageOption] = (),
 ) -> Choice | None:
     """The fastest option per block whose predicted peak fits ``budget``; ``None`` if none fits.
 
@@ -154,7 +154,7 @@ def choose(
     (['sel', 'sel', 'keep'], 22)
     >>> choose(blocks, base=0, budget=5) is None
     True
-    >>> stage = Span("stage", 0, 1, Option("stage", 8, 6, 0.15))
+    >>> stage = StageOption("stage", 0, 1, Option("stage", 8, 6, 0.15))
     >>> c = choose(blocks, base=0, budget=22, spans=[stage])
     >>> [o.strategy for o in c.options], c.peak, [s.name for s in c.spans]
     (['stage', 'stage', 'keep'], 18, ['stage'])
@@ -203,13 +203,17 @@ def choose(
 
 
 def _trace_back(
-    blocks: Sequence[Block], spans: Sequence[Span], picks: list[np.ndarray], p: int, unit: int
-) -> tuple[list[Option], tuple[Span, ...]]:
+    blocks: Sequence[Block],
+    spans: Sequence[StageOption],
+    picks: list[np.ndarray],
+    p: int,
+    unit: int,
+) -> tuple[list[Option], tuple[StageOption, ...]]:
     """Walk :func:`choose`'s ``picks`` back from prefix ``p`` after the last block: the option
     of every block, and the spans taken, first block first."""
     j = len(blocks)
     chosen: list[Option] = [blocks[0].options[0]] * j
-    taken: list[Span] = []
+    taken: list[StageOption] = []
     while j > 0:
         code = int(picks[j][p])
         if code >= 0:
@@ -227,7 +231,7 @@ def _trace_back(
 
 
 def choose_exhaustively(
-    blocks: Sequence[Block], base: int, budget: int, spans: Sequence[Span] = ()
+    blocks: Sequence[Block], base: int, budget: int, spans: Sequence[StageOption] = ()
 ) -> Choice | None:
     """The same problem by trying every combination (for checking :func:`choose`; small chains).
 
@@ -237,7 +241,7 @@ def choose_exhaustively(
     """
     _check_spans(blocks, spans)
 
-    def ways(i: int) -> list[tuple[list[Option], list[Span]]]:
+    def ways(i: int) -> list[tuple[list[Option], list[StageOption]]]:
         if i == len(blocks):
             return [([], [])]
         out = []

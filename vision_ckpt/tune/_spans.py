@@ -24,7 +24,7 @@ a rule of the config vocabulary (:meth:`Span.rule`):
 # NOTE [ Runs found by tracing ]
 #
 # A run is what a rule's ``through`` can express (NOTE [ Regions of consecutive calls ] in
-# ``_install``), so it must hold three things, all checked on the trace:
+# ``runtime._chain``), so it must hold three things, all checked on the trace:
 #
 # 1. its members are called directly by one call of their common parent module (the calls'
 #    parent in the call stack is the parent module's call), one after the other with no other

@@ -23,15 +23,15 @@ This module is the public face; the work is split by job into private modules:
 ``Workload`` that carries the model, input, loss and optimizer),
 ``vision_ckpt.measure._extrapolate`` (a larger batch's peak from smaller ones),
 ``vision_ckpt.tune._search`` (uniform levels: :func:`profile`, :func:`suggest_level`) and
-``vision_ckpt.tune._planner`` (per block: :func:`plan_for_budget`).
+``vision_ckpt.tune._planner`` (per block: :func:`plan_for_budget`, on the menus of
+``vision_ckpt.tune._menus``; its answer in ``vision_ckpt.tune._budget_plan``).
 """
 
 from __future__ import annotations
 
 from ..measure._measure import FitCheck as FitCheck, LossFn as LossFn, default_loss as default_loss
+from ._budget_plan import STRATEGIES as STRATEGIES, BudgetPlan as BudgetPlan
 from ._planner import (
-    STRATEGIES as STRATEGIES,
-    BudgetPlan as BudgetPlan,
     plan_for_budget as plan_for_budget,
     planner_frontier as planner_frontier,
     resolve_auto as resolve_auto,
