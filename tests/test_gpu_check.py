@@ -283,7 +283,7 @@ def test_the_frontier_finds_its_batch_and_compiles_each_variant_on_cpu(gpu_check
     assert not [r for r in rows if r.get("error")]
     # the batch at which level 0 holds 5% of the CPU's stand-in for a device's memory
     assert by["L0"]["share"] >= 0.05 and by["L0"]["batch"] % 8 == 0
-    assert by["c:L2"]["not_compiled"] == 1  # ResNet's stem is a run of calls
+    assert by["c:L2"]["not_compiled"] == 0  # the stem, a run of calls, compiles too
     for r in rows:
         if "same_as" not in r:
             assert r["allocated"] > 0 and r["time_ratio"] > 0

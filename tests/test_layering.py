@@ -44,6 +44,7 @@ LAYERS: list[set[str]] = [
     {"runtime._call_state", "runtime._saved_inputs", "runtime._lean"},
     {"runtime._frame"},
     {"runtime._core", "runtime._chain"},
+    {"runtime._traced"},
     {"runtime._selective"},
     {"runtime.wrapper"},
     {"runtime"},

@@ -19,8 +19,18 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from ..runtime._core import region_depth
 from ..runtime._lean import lean_mlp_forward
-from ..runtime.wrapper import ChainCall, Policy, compile_note, lean_now, run_policy, run_segments
+from ..runtime.wrapper import (
+    ChainCall,
+    Policy,
+    compile_note,
+    lean_now,
+    note_run_broken_traced,
+    run_policy,
+    run_segments,
+    run_traced_chain,
+)
 
 __all__ = [
     "passable",
@@ -100,7 +110,7 @@ class _LeanForward:
             f"{run.name!r} runs its own forward, not the lean one its level asks for: "
             f"{why}. Its gradients are exact; it holds one hidden-size tensor more."
         )
-        if torch.compiler.is_compiling():  # NOTE [ Warnings under torch.compile ] in wrapper
+        if torch.compiler.is_compiling():  # NOTE [ Warnings under torch.compile ] in _traced
             compile_note(f"{self.key}: {why}", message)
         elif why not in self.warned:
             self.warned.add(why)
@@ -219,16 +229,55 @@ class _OpenRuns(threading.local):
 _open_runs = _OpenRuns()
 
 
+class _TracedRun:
+    """A run traced by torch.compile (NOTE [ Runs under torch.compile ] in the wrapper): every
+    member's output, computed at once by the first call, and what each later call must match
+    to take the next one."""
+
+    def __init__(
+        self,
+        outs: tuple[Any, ...],
+        extra: tuple[tuple[Any, ...], dict[str, Any]],
+        context: tuple[bool, bool],
+    ) -> None:
+        self.outs = outs
+        self.extra = extra
+        self.context = context
+        self.next = 1
+
+    def refuses(self, index: int, one: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """Why member ``index``, called so, cannot take its output from the run ('' if it can)."""
+        more, named = self.extra
+        if index != self.next:
+            return f"was called where member {self.next} was expected"
+        if one is None or one is not self.outs[index - 1]:
+            return "was not called with the previous member's output"
+        if len(args) - 1 != len(more) or any(args[i + 1] is not a for i, a in enumerate(more)):
+            return "was called with other further arguments than the run's first member"
+        if kwargs.keys() != named.keys() or any(kwargs[k] is not named[k] for k in named):
+            return "was called with other keyword arguments than the run's first member"
+        if _call_context(one) != self.context:
+            return "was called under another grad mode or autocast than the first member"
+        return ""
+
+
+def _call_context(x: torch.Tensor) -> tuple[bool, bool]:
+    return torch.is_grad_enabled(), torch.is_autocast_enabled(x.device.type)
+
+
 class Chain:
     """A run of sibling modules that their parent calls one after another on one tensor,
     checkpointed as one region (a rule's ``through``). It holds the members' forwards, which
-    refer to their modules weakly, and tracks the run open on each thread."""
+    refer to their modules weakly, and tracks the run open on each thread (in eager) or in the
+    trace (under torch.compile)."""
 
     def __init__(self, label: str, nested: bool = False) -> None:
         self.label = label
         self.nested = nested  # members keep their own policies inside the run
         self.key = f"{label}#{next(_installs)}"  # this run's warnings, apart from other models'
         self.members: list[_ModuleForward] = []
+        self.forwards: list[ChainedForward] = []
+        self.traced: _TracedRun | None = None
 
     def modules(self) -> list[nn.Module]:
         return [m.module for m in self.members]
@@ -284,7 +333,9 @@ class ChainedForward(CheckpointedForward):
     between its norm and activation, and calls it first); such a member is skipped, never
     replayed. Any other call ends the run where it is and runs plainly, so a parent that does
     something else between them gets exact gradients and a warning, never a wrong
-    recomputation.
+    recomputation. Under torch.compile the same condition decides, over outputs the first
+    call computed for the whole run at once (NOTE [ Runs under torch.compile ] in the
+    wrapper): there a skipped member ends the run.
     """
 
     def __init__(
@@ -319,15 +370,57 @@ class ChainedForward(CheckpointedForward):
             return call.run(_BoundCall(member, args[1:], kwargs, self.run.name), one)
         return call.run(member, one)
 
+    def _traced(self, one: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """This member's call while torch.compile traces (NOTE [ Runs under torch.compile ] in
+        the wrapper). Inside an enclosing region the members run as their own rules say: the
+        enclosing region recomputes them, and a trace may not change state outside it."""
+        chain = self.chain
+        if region_depth() > 0:
+            return self._alone(*args, **kwargs)
+        if self.index:
+            traced = chain.traced
+            if traced is None:
+                return self._alone(*args, **kwargs)
+            reason = traced.refuses(self.index, one, args, kwargs)
+            if reason:
+                chain.traced = None
+                note_run_broken_traced(chain.label, chain.key, self.run.name, reason)
+                return self._alone(*args, **kwargs)
+            traced.next += 1
+            if traced.next == len(traced.outs):
+                chain.traced = None
+            return traced.outs[self.index]
+        chain.traced = None
+        module = self.run.module
+        if not self.policy.rungs or not module.training or not torch.is_grad_enabled():
+            return self.run(*args, **kwargs)
+        extra = (tuple(args[1:]), dict(kwargs))
+        outs = None
+        if one is None or (len(args) > 1 or kwargs) and not chain.nested:
+            note_run_broken_traced(
+                chain.label, chain.key, self.run.name, "takes more than one tensor"
+            )
+        else:
+            calls = [f._alone if chain.nested else f.run for f in chain.forwards]
+            outs = run_traced_chain(self.policy, calls, chain.label, one, extra, chain.modules())
+        if outs is None:
+            label = self.run.name
+            return run_policy(self.policy, self.run, args, kwargs, module=module, label=label)
+        if len(outs) > 1:
+            chain.traced = _TracedRun(outs, extra, _call_context(one))
+        return outs[0]
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         chain = self.chain
         one = args[0] if args and passable(args[1:], kwargs) else None
+        if torch.compiler.is_compiling():
+            return self._traced(one, args, kwargs)
         if self.index == 0:
             chain.close()  # a run the parent left unfinished (another branch, an exception)
             module = self.run.module
             if not self.policy.rungs or not module.training or not torch.is_grad_enabled():
                 return self.run(*args, **kwargs)
-            call = ChainCall.open(self.policy, chain.modules(), chain.label, one, chain.key)
+            call = ChainCall.open(self.policy, chain.modules(), chain.label, one)
             if call is None:
                 return run_policy(
                     self.policy, self.run, args, kwargs, module=module, label=self.run.name
@@ -391,6 +484,7 @@ def install_chain(
             module, name, policy, chain, index, own if index or nested else None
         )
         chain.members.append(forward.run)
+        chain.forwards.append(forward)
         module.__dict__["forward"] = forward
 
 

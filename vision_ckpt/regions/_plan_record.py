@@ -107,26 +107,14 @@ class CheckpointPlan:
     @property
     def not_compiled(self) -> tuple[str, ...]:
         """What applies at the plan's training level but not under torch.compile, where the
-        first compiled call warns once about each: the runs of sibling calls (their labels;
-        there the run's first module is checkpointed alone with the run's rung, the others as
-        their own rules say) and the offloaded modules (``'name (offload)'``;
-        plain full regions there). Everything else applies under compile as in eager
-        (docs/compile.md).
+        first compiled call warns once about each: the offloaded modules (``'name
+        (offload)'``; plain full regions there). Everything else, runs of sibling calls and
+        groups of layers included, applies under compile as in eager (docs/compile.md).
 
         >>> CheckpointPlan("M", (), Level.NONE, None, "all", True).not_compiled
         ()
         """
-        offload = [f"{e.name} (offload)" for e in self.offloaded]
-        return (*self._runs_not_compiled(), *offload)
-
-    def _runs_not_compiled(self) -> list[str]:
-        """The labels of the runs of sibling calls that apply at the plan's training level."""
-        level = self.training_level
-        return [
-            label
-            for e, label in self.runs
-            if any(r.through is not None and is_checkpointed(r.level, level) for r in e.rungs)
-        ]
+        return tuple(f"{e.name} (offload)" for e in self.offloaded)
 
     @property
     def offloaded(self) -> tuple[PlanEntry, ...]:
@@ -204,14 +192,6 @@ class CheckpointPlan:
         buffer = io.StringIO()
         Console(file=buffer, width=140, color_system=None, force_terminal=False).print(table)
         text = "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
-        runs = self._runs_not_compiled()
-        if runs:
-            shown = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more" if len(runs) > 4 else "")
-            text += (
-                f"\nUnder torch.compile {len(runs)} run(s) of sibling calls are not applied "
-                f"({shown}): each run's first module is checkpointed alone, the others as "
-                "their own rules say; gradients stay exact, memory differs."
-            )
         offloaded = [e.name for e in self.offloaded]
         if offloaded:
             where = (

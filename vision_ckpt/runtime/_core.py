@@ -294,7 +294,7 @@ def _run_traced(
     # nesting decisions they take in eager (wrapper's NOTE [ Nesting ]): the partitioner
     # recomputes the traced graph, never this code, so forward and recomputation agree.
     # Only the outermost region writes the depth, outside every checkpoint operator: some
-    # releases' dynamo refuse a write inside the operator's body (wrapper's NOTE [ The
+    # releases' dynamo refuse a write inside the operator's body (``_traced``'s NOTE [ The
     # training level under torch.compile ]), and a decision reads only whether it is zero.
     if options.context_fn is not None:
         kwargs["context_fn"] = options.context_fn

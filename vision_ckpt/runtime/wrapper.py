@@ -75,8 +75,9 @@ from torch import nn
 from ..config.levels import NESTING_MODES, Level, Nesting, is_checkpointed, is_group, parse_level
 from ..config.schema import KeepOps
 from ..errors import ConfigError
-from . import _chain, _core, _frame
+from . import _chain, _core, _frame, _traced
 from ._selective import bind_region
+from ._traced import compile_note
 
 __all__ = [
     "ActivationCheckpointing",
@@ -86,7 +87,7 @@ __all__ = [
 ]
 # Used by the install layer (vision_ckpt.regions._install), not re-exported by the package:
 # Rung, Policy, choose_rung, nests, lean_now, run_policy, run_segments, segment_size, ChainCall,
-# compile_note.
+# run_traced_chain, note_run_broken_traced, compile_note.
 
 
 # The process-wide training level (not thread-local: DataParallel replicas run forward on their
@@ -202,38 +203,34 @@ class _RunAtLevel:
 
 
 def _checkpoint(
-    region: _RunAtLevel, args: Sequence[Any], kwargs: dict[str, Any], options: dict[str, Any]
+    region: _RunAtLevel,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+    exact: bool | None = None,
 ) -> Any:
     """``_core.checkpoint_region`` of ``region`` called on ``args`` and ``kwargs``, with the
     core's ``options``. In eager the core is given the region itself, which recomputation runs
     again; while torch.compile traces, the bare function, the region's level and group pushed
-    on the trace's stack around the call (NOTE [ The training level under torch.compile ]),
+    on the trace's stack around the call (NOTE [ The training level under torch.compile ] in
+    ``_traced``),
     or, where torch's compiled checkpoint would not be exact, the region run eagerly between
-    graphs."""
+    graphs. ``exact``: whether the traced checkpoint is exact, where the caller knows better
+    than the region's module can say (a run of several modules)."""
     if not _core.compiling():
         return _core.checkpoint_region(region, *args, **options, **kwargs)
-    if not _core.traced_region_is_exact(region.fn, options.get("module")):
-        compile_note(
-            "batchnorm-between-graphs",
-            f"torch {torch.__version__} updates BatchNorm running statistics twice in a "
-            "compiled checkpoint, so checkpointed regions that hold a BatchNorm in training "
-            "mode run eagerly between compiled graphs (graph breaks; statistics and gradients "
-            "exact). torch>=2.14 compiles them into the graph. (Shown once.)",
-        )
-        return _checkpoint_between_graphs(region, *args, **options, **kwargs)
+    if exact is None:
+        exact = _core.traced_region_is_exact(region.fn, options.get("module"))
+    if not exact:
+        _traced.note_batchnorm_between_graphs()
+        return _traced.checkpoint_between_graphs(region, *args, **options, **kwargs)
     if _core.region_depth() == 0:
-        _traced_reset()
-    _traced_push(int(region.level), region.group)
+        _traced.traced_reset()
+    _traced.traced_push(int(region.level), region.group)
     try:
         return _core.checkpoint_region(region.fn, *args, **options, **kwargs)
     finally:
-        _traced_pop()
-
-
-# ``_core.checkpoint_region`` run eagerly while torch.compile traces its caller (a graph break),
-# for a region whose traced checkpoint would not be exact. Made here, not in the core, which
-# does not import dynamo (the wrapper does already, for its compile notes).
-_checkpoint_between_graphs = torch.compiler.disable(_core.checkpoint_region)
+        _traced.traced_pop()
 
 
 def _innermost() -> tuple[Level | None, bool]:
@@ -241,55 +238,9 @@ def _innermost() -> tuple[Level | None, bool]:
     every region): while torch.compile traces, from the trace's own stack (NOTE [ The training
     level under torch.compile ])."""
     if _core.compiling():
-        top = _traced_top()
+        top = _traced.traced_top()
         return (None, False) if top is None else (Level(top[0]), top[1])
     return _region.level, _region.group
-
-
-class _TracedRegions(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[tuple[int, bool]] = []
-
-
-_traced = _TracedRegions()
-
-
-@torch.compiler.assume_constant_result
-def _traced_reset() -> bool:
-    _traced.stack.clear()
-    return True
-
-
-@torch.compiler.assume_constant_result
-def _traced_push(level: int, group: bool) -> bool:
-    _traced.stack.append((level, group))
-    return True
-
-
-@torch.compiler.assume_constant_result
-def _traced_pop() -> bool:
-    if _traced.stack:
-        _traced.stack.pop()
-    return True
-
-
-@torch.compiler.assume_constant_result
-def _traced_top() -> tuple[int, bool] | None:
-    return _traced.stack[-1] if _traced.stack else None
-
-
-# NOTE [ The training level under torch.compile ]
-#
-# Under torch.compile a region is torch's checkpoint operator, whose body dynamo traces once
-# and the partitioner recomputes as a graph; the Python that set the region's level never runs
-# again. Some releases (2.6 among them) refuse a body that writes state it did not create
-# ("mutating a variable not in the current scope") and break the graph at every such region.
-# So while tracing, a region's level and group live on a stack of the trace's own, which the
-# functions below change and read: dynamo runs them for real while it traces and treats what
-# they return as a constant, so the operator's body writes nothing dynamo sees. The decisions
-# taken from them depend only on the model's structure and the training level, which dynamo
-# guards where the outermost region reads it. A trace that dynamo abandons half way can leave
-# entries behind, so the outermost region empties the stack first; eager code never reads it.
 
 
 _reentrant_warned = False
@@ -661,17 +612,14 @@ class ChainCall:
         self.group = group
 
     @classmethod
-    def open(
-        cls, policy: Policy, modules: list[nn.Module], label: str, x: Any, key: str | None = None
-    ) -> ChainCall | None:
+    def open(cls, policy: Policy, modules: list[nn.Module], label: str, x: Any) -> ChainCall | None:
         """The run starting at input ``x``, or ``None`` when the policy's rung now is not a
-        run (the first module is then called as :func:`run_policy` decides). ``key``: what
-        tells this run apart from others of the same label, for its warning under compile."""
+        run (the first module is then called as :func:`run_policy` decides). Eager only: while
+        torch.compile traces, a run is one function (:func:`run_traced_chain`)."""
         rung = choose_rung(policy)
         if rung is None or rung.through is None or not isinstance(x, torch.Tensor):
             return None
-        if torch.compiler.is_compiling():
-            note_run_not_compiled(label, key or label)
+        if torch.compiler.is_compiling():  # traced, a run is one function: run_traced_chain
             return None
         region = _chain.ChainRegion(
             x, modules=modules, label=label, preserve_rng_state=policy.preserve_rng_state
@@ -688,48 +636,72 @@ class ChainCall:
         return self.region.same_context()
 
 
-# NOTE [ Warnings under torch.compile ]
+# NOTE [ Runs under torch.compile ]
 #
-# While dynamo traces a forward, a call to warnings.warn would break the graph (and inside a
-# checkpointed region, dynamo could not capture the region as one higher-order op at all). So
-# what must warn under torch.compile calls compile_note, which is marked as a function with a
-# constant result: dynamo runs it for real while it traces (at the first compiled call, and
-# again only when it traces again), puts its result into the graph as a constant, and traces
-# on. It warns once per key, so a retrace says nothing new.
-
-_compile_notes_shown: set[str] = set()
-
-
-@torch.compiler.assume_constant_result
-def compile_note(key: str, message: str) -> bool:
-    """Warn ``message`` once per ``key``, also from code dynamo traces (NOTE [ Warnings under
-    torch.compile ]); True when it warned.
-
-    >>> import warnings
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     compile_note("doctest", "shown once"), compile_note("doctest", "shown once")
-    (True, False)
-    >>> len(caught)
-    1
-    """
-    if key in _compile_notes_shown:
-        return False
-    _compile_notes_shown.add(key)
-    warnings.warn(message, UserWarning, stacklevel=2)
-    return True
+# In eager, a run of sibling calls is one region opened by its first call and joined by each
+# next one (NOTE [ Runs of sibling calls ] in ``regions._install``). torch's compiled checkpoint
+# needs a region as one function, so while dynamo traces, the first call runs the whole run at
+# once: one function that calls every member in order, each on the previous one's output (with
+# the first call's further arguments, for a group of layers), checkpointed as one region that
+# returns every member's output. The first call returns its own; each later call returns the
+# next one, but only if it receives exactly the output the run gave its predecessor, under the
+# grad mode and autocast of the first call; that is what eager checks too, so both run the same
+# computation. A call that does anything else ends the run: it runs as its own rules say, the
+# outputs computed ahead for it and later members are dropped (exact, at the cost of computing
+# them once for nothing), and the first compiled call warns once. Dynamo traces the state of
+# the run (outputs, next member) as plain Python attributes, so a run left open holds its
+# outputs until its first member is called again.
 
 
-def note_run_not_compiled(label: str, key: str) -> None:
-    """Warn once per ``key`` that the run ``label`` (``'blocks.0.norm1..drop_path1'``) is not
-    applied under torch.compile, and what runs instead."""
+def run_traced_chain(
+    policy: Policy,
+    calls: Sequence[Callable[..., Any]],
+    label: str,
+    x: Any,
+    extra: tuple[tuple[Any, ...], dict[str, Any]],
+    modules: Sequence[nn.Module],
+) -> tuple[Any, ...] | None:
+    """While torch.compile traces: the run of ``calls`` from ``x`` as one region (NOTE [ Runs
+    under torch.compile ]), every call's output in order up to the first that is not one
+    tensor; ``None`` when the policy's rung now is not a run. ``extra``: the further arguments
+    every call takes; ``modules``: the run's modules (whether torch's traced checkpoint is
+    exact for them)."""
+    rung = choose_rung(policy)
+    if rung is None or rung.through is None or not isinstance(x, torch.Tensor):
+        return None
+    more, named = extra
+
+    def whole(x: torch.Tensor) -> tuple[Any, ...]:
+        outs: list[Any] = []
+        for call in calls:
+            x = call(x, *more, **named)
+            outs.append(x)
+            if not isinstance(x, torch.Tensor):
+                break
+        return tuple(outs)
+
+    region = _RunAtLevel(whole, *_run_context(policy, rung))
+    options = dict(
+        module=None,
+        label=label,
+        preserve_rng_state=policy.preserve_rng_state,
+        context_fn=bind_region(rung.context_fn, label),
+        offload=_offload_now(rung, label),
+    )
+    if all(_core.traced_region_is_exact(m, m) for m in modules):
+        return _checkpoint(region, (x,), {}, options, exact=True)
+    _traced.note_batchnorm_between_graphs()
+    return _traced.run_between_graphs(region, x, list(modules), options)
+
+
+def note_run_broken_traced(label: str, key: str, name: str, reason: str) -> None:
+    """Warn once per ``key`` that the run ``label`` ended early under torch.compile."""
     compile_note(
         key,
-        f"the checkpointed run {label!r} is not applied under torch.compile: its first module "
-        "is checkpointed alone with the run's rung and the others as their own rules say "
-        "(torch's checkpoint needs a region as one function, and a run is made of calls from "
-        "its parent's forward). Gradients are exact; the memory is not the plan's. "
-        "CheckpointPlan.not_compiled lists every such run. (Shown once per run.)",
+        f"under torch.compile the checkpointed run {label!r} ended at {name!r}, which {reason}: "
+        "it runs as its own rules say, and the outputs the run computed ahead for it are "
+        "dropped. Gradients are exact; the run's memory is not the plan's. Check that the "
+        "parent's forward calls these modules one after another on one tensor. (Shown once.)",
     )
 
 
