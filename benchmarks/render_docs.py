@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 import warnings
 from collections.abc import Callable, Iterable
@@ -755,11 +756,91 @@ def render_readme_table() -> str:
     return "\n".join(lines)
 
 
+COMPILED_SOURCE = "frontier_compile_b32_cpu"
+COMPILED_BEGIN = "<!-- compiled frontier table: rendered by benchmarks/render_docs.py -->"
+COMPILED_END = "<!-- end of compiled frontier table -->"
+# The compiled variants in the table's order: (variant, its column).
+COMPILED_COLUMNS = (
+    ("compile", "compiled L0"),
+    ("cL2", "L2"),
+    ("cL3", "L3"),
+    ("cL5", "L5"),
+    ("compile@0.5", "budget 0.5"),
+    ("compile@0.2", "budget 0.2"),
+    ("ctimm", "timm's switch"),
+)
+
+
+def _against(row: dict, ref: dict) -> float:
+    """The median over rounds of ``row``'s step time over ``ref``'s in the same round."""
+    return statistics.median(a / b for a, b in zip(row["times_s"], ref["times_s"], strict=True))
+
+
+def compiled_table(data: dict) -> list[str]:
+    """Compiled variants per model: the profiler's allocator-event peak (MB above the
+    parameters) and the step time against compiled level 0 in the same rounds; the last
+    column, our compiled top level's peak over compiled timm's switch."""
+    header = [c for _, c in COMPILED_COLUMNS]
+    lines = [
+        "| model | " + " | ".join(header) + " | top level / switch |",
+        "|---|" + "---|" * (len(header) + 1),
+    ]
+    for (model, _), by in _by_model(data["rows"]).items():
+        ref = by.get("compile")
+        if ref is None:
+            continue
+        cells, top = [], None
+        for v, _ in COMPILED_COLUMNS:
+            r = by.get(v)
+            if r is None:
+                same = next((k for k in ("cL3", "cL2") if v == "cL5" and k in by), None)
+                cells.append(f"= {same[1:]}" if same else "-")
+                continue
+            cells.append(f"{r['prof_peak_mb']:.0f}, {_against(r, ref):.2f}x")
+            if v.startswith("cL"):
+                top = r
+        switch = by.get("ctimm")
+        vs = _ratio(top["prof_peak_mb"], switch["prof_peak_mb"]) if top and switch else "-"
+        lines.append(f"| {MODEL_NAMES.get(model, model)} | " + " | ".join(cells) + f" | {vs}x |")
+    return lines
+
+
+def render_compiled_table() -> str:
+    data = json.loads((RESULTS / COMPILED_SOURCE / "results.json").read_text())
+    runs = [r for r in re.split(r" ?; ", data.get("command", "")) if "python " in r]
+    return "\n".join(
+        [
+            COMPILED_BEGIN,
+            "",
+            *compiled_table(data),
+            "",
+            "The same machine and clock, each model under `torch.compile` (inductor) after "
+            "`apply_preset`: our levels, compile's own `activation_memory_budget` on the plain "
+            "model, and timm's switch. Each cell: MB above the parameters at the step's peak "
+            "by the profiler's allocator events (the only meter that sees inside compiled "
+            "kernels), then the step time relative to compiled level 0 in the same rounds. "
+            '"= Lk": the level runs level k\'s plan. Rendered from '
+            f"[`benchmarks/results/{COMPILED_SOURCE}/results.json`]"
+            f"(benchmarks/results/{COMPILED_SOURCE}/results.json); one run per model:",
+            "",
+            "```bash",
+            *(runs[:1] or ["(command not recorded)"]),
+            "```",
+            "",
+            COMPILED_END,
+        ]
+    )
+
+
 def _with_readme_table(text: str) -> str:
     begin, end = text.find(README_BEGIN), text.find(README_END)
     if begin < 0 or end < begin:
         raise SystemExit(f"README.md has no '{README_BEGIN}' ... '{README_END}' markers")
-    return text[:begin] + render_readme_table() + text[end + len(README_END) :]
+    text = text[:begin] + render_readme_table() + text[end + len(README_END) :]
+    begin, end = text.find(COMPILED_BEGIN), text.find(COMPILED_END)
+    if begin < 0 or end < begin:
+        raise SystemExit(f"README.md has no '{COMPILED_BEGIN}' ... '{COMPILED_END}' markers")
+    return text[:begin] + render_compiled_table() + text[end + len(COMPILED_END) :]
 
 
 # --- presets -------------------------------------------------------------------------------
