@@ -42,7 +42,7 @@ from rich.table import Table
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt.measure._memory import count_saved_bytes, format_bytes, track_peak_memory
+from vision_ckpt.measure import count_saved_bytes, format_bytes, track_peak_memory
 
 NUM_CLASSES = 10
 
