@@ -10,7 +10,7 @@ rotates), medians over repetitions:
     ``pretrained=False`` on synthetic data, every block checkpointed (ViT: each of
     ``model.blocks``; ResNet: each Bottleneck of ``layer1..layer4``). Reported: the median step
     time, its ratio to torch's non-reentrant checkpoint, and memory from
-    ``vision_ckpt.measure._memory``: bytes packed for backward during the forward, live bytes kept
+    ``vision_ckpt.measure``: bytes packed for backward during the forward, live bytes kept
     from the end of the forward to backward, and the activation peak of the whole step.
 
 Variants: ``none`` (no checkpointing), ``ours`` (``vision_ckpt.checkpoint``), ``torch``
@@ -51,7 +51,7 @@ from rich.table import Table
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt.measure._memory import count_saved_bytes, format_bytes, track_peak_memory
+from vision_ckpt.measure import count_saved_bytes, format_bytes, track_peak_memory
 
 CheckpointFn = Callable[..., Any]
 

@@ -37,7 +37,7 @@ from rich.console import Console
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt.measure._memory import track_peak_memory
+from vision_ckpt.measure import track_peak_memory
 
 MB = 2**20
 

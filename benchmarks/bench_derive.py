@@ -51,8 +51,8 @@ import torch
 
 import vision_ckpt
 from vision_ckpt.config.presets import fallback_rules, preset_for_model
+from vision_ckpt.measure import track_peak_memory
 from vision_ckpt.measure._measure import Workload
-from vision_ckpt.measure._memory import track_peak_memory
 from vision_ckpt.measure._price import modelled_step_seconds
 from vision_ckpt.measure.models import (
     build_model,

@@ -76,7 +76,7 @@ from rich.console import Console
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt.measure._memory import track_peak_memory
+from vision_ckpt.measure import track_peak_memory
 
 MODELS = (
     "vit_small_patch16_224",

@@ -3,7 +3,7 @@
 A ViT-S-shaped ``ViTForImageClassification`` (hidden 384, 12 layers, 6 heads, MLP 1536, patch
 16, 224 px, random weights, dropout 0.1) trains one step (forward, cross-entropy, backward; no
 optimizer) at batch 8 on one CPU thread, once per variant, each on a fresh copy of the same
-model. For each variant, with the library's byte meters (``vision_ckpt.measure._memory``):
+model. For each variant, with the library's byte meters (``vision_ckpt.measure``):
 
 - ``saved_mib``: bytes autograd keeps for backward during the forward (``count_saved_bytes``;
   what a checkpointed region keeps is its inputs);
@@ -49,7 +49,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from vision_ckpt.integrations.hf import enable_checkpointing
-from vision_ckpt.measure._memory import count_saved_bytes, track_peak_memory
+from vision_ckpt.measure import count_saved_bytes, track_peak_memory
 
 OUT = Path(__file__).parent / "results" / "hf_switch" / "results.json"
 BATCH, SIZE, LAYERS = 8, 224, 12

@@ -8,7 +8,7 @@ measure, deterministically on CPU:
 - saved: bytes autograd keeps from forward to backward, counted by an outer
   ``saved_tensors_hooks`` over distinct storages, parameters excluded (activations only);
 - peak: the peak of live tensor-storage bytes during the step above what was alive before it
-  (weights), from ``vision_ckpt.measure._memory.track_peak_memory``;
+  (weights), from ``vision_ckpt.measure.track_peak_memory``;
 - calls: how many times the core's checkpoint ran (forward calls plus nested calls made during
   recomputation), a measure of the recompute cost;
 - ms: median step time over a few steps (noisy on a shared CPU; indicative only).
@@ -37,7 +37,7 @@ from _models import LEVEL_RULES, make  # noqa: E402
 
 import vision_ckpt  # noqa: E402
 from vision_ckpt import apply, training_level  # noqa: E402
-from vision_ckpt.measure._memory import format_bytes, track_peak_memory  # noqa: E402
+from vision_ckpt.measure import format_bytes, track_peak_memory  # noqa: E402
 
 TIMM_VIT_RULES = [
     {"match": "patch_embed", "level": 1},

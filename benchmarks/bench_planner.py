@@ -43,7 +43,7 @@ from rich.console import Console
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt.measure._memory import track_peak_memory
+from vision_ckpt.measure import track_peak_memory
 from vision_ckpt.tune.profiling import default_loss, plan_for_budget
 
 MB = 2**20

@@ -9,7 +9,7 @@ cross-entropy, backward) under each variant:
   outermost checkpointed module of a chain is checkpointed: at most one extra forward);
 - ``timm``: timm's ``model.set_grad_checkpointing(True)`` (torch's checkpoint per block).
 
-Measured per variant, with deterministic byte counting from ``vision_ckpt.measure._memory``
+Measured per variant, with deterministic byte counting from ``vision_ckpt.measure``
 (never RSS):
 
 - ``peak``: the peak of live tensor bytes during the step above what was alive before it
@@ -57,7 +57,7 @@ from torch import nn
 
 import vision_ckpt
 from vision_ckpt.config.presets import preset_for_model
-from vision_ckpt.measure._memory import track_peak_memory
+from vision_ckpt.measure import track_peak_memory
 from vision_ckpt.regions.apply import apply_preset, remove
 
 MODELS = (

@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 import vision_ckpt
+from vision_ckpt.measure import format_bytes
 from vision_ckpt.measure._measure import Workload, batch_of, default_loss, measure_memory
-from vision_ckpt.measure._memory import format_bytes
 
 
 def measured_peak(model: torch.nn.Module, x: torch.Tensor, config, level: int) -> int:

@@ -34,7 +34,7 @@ from torch import nn
 
 import vision_ckpt
 from vision_ckpt import _compat
-from vision_ckpt.measure._memory import count_saved_bytes
+from vision_ckpt.measure import count_saved_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_derive import MODELS as FRONTIER  # noqa: E402  (a script beside this one)

@@ -71,11 +71,11 @@ def record_core_calls() -> Iterator[list[bool]]:
     real, real_region = _core.checkpoint, _core.checkpoint_region
 
     def recording(*args: Any, **kwargs: Any) -> Any:
-        calls.append(vision_ckpt.is_recomputing())
+        calls.append(vision_ckpt.runtime.is_recomputing())
         return real(*args, **kwargs)
 
     def recording_region(*args: Any, **kwargs: Any) -> Any:  # the wrapper's entry point
-        calls.append(vision_ckpt.is_recomputing())
+        calls.append(vision_ckpt.runtime.is_recomputing())
         return real_region(*args, **kwargs)
 
     _core.checkpoint, _core.checkpoint_region = recording, recording_region

@@ -101,7 +101,7 @@ class TrainConfig(_Strict):
 
     track_memory: bool = True
     """Report the peak memory of each step: ``torch.cuda.max_memory_allocated`` on CUDA, and
-    on CPU the peak of live tensor bytes from ``vision_ckpt.measure._memory.track_peak_memory``
+    on CPU the peak of live tensor bytes from ``vision_ckpt.measure.track_peak_memory``
     (exact, but it slows the step down)."""
 
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -17,9 +17,9 @@ The script trains one step of each net at every training level 0-5 from the same
 the same batch, and prints, per level:
 
 * saved: bytes autograd kept for backward during the forward
-  (:func:`vision_ckpt.measure._memory.count_saved_bytes`);
+  (:func:`vision_ckpt.measure.count_saved_bytes`);
 * peak: peak of live tensor bytes over forward + backward, minus what was alive before
-  (:func:`vision_ckpt.measure._memory.track_peak_memory`);
+  (:func:`vision_ckpt.measure.track_peak_memory`);
 * calls: how many checkpointed regions the forward started;
 * grads: whether every gradient equals the level-0 run bit for bit (the nets have dropout,
   drop-path and BatchNorm, so this also checks RNG and running-statistics handling).
@@ -46,7 +46,7 @@ from rich.table import Table
 from torch import nn
 
 from vision_ckpt import ActivationCheckpointing, training_level
-from vision_ckpt.measure._memory import count_saved_bytes, format_bytes, track_peak_memory
+from vision_ckpt.measure import count_saved_bytes, format_bytes, track_peak_memory
 
 __all__ = ["SwinNet", "DenseNet", "LevelRow", "measure", "main"]
 

@@ -42,7 +42,7 @@ from rich.table import Table
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt.measure._memory import count_saved_bytes, format_bytes, track_peak_memory
+from vision_ckpt.measure import count_saved_bytes, format_bytes, track_peak_memory
 
 NUM_CLASSES = 10
 
@@ -231,10 +231,10 @@ def parse_levels(text: str) -> list[int]:
     out: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         if "-" in part and not part.startswith("-"):
-            lo, hi = (int(vision_ckpt.parse_level(p)) for p in part.split("-", 1))
+            lo, hi = (int(vision_ckpt.config.parse_level(p)) for p in part.split("-", 1))
             out.extend(range(lo, hi + 1))
         else:
-            out.append(int(vision_ckpt.parse_level(part)))
+            out.append(int(vision_ckpt.config.parse_level(part)))
     return out
 
 

@@ -50,7 +50,7 @@ from train_timm import make_optimizer, resolve_device
 
 import vision_ckpt
 from vision_ckpt import CheckpointConfig, ConfigError
-from vision_ckpt.measure._memory import count_saved_bytes, format_bytes, track_peak_memory
+from vision_ckpt.measure import count_saved_bytes, format_bytes, track_peak_memory
 
 __all__ = [
     "Train3DConfig",
@@ -119,7 +119,7 @@ class Train3DConfig(BaseModel):
     track_memory: bool = True
     """Measure the first step of each level: bytes saved for backward, and the peak of its
     forward and backward (CUDA allocator peak, or on CPU the live tensor bytes from
-    ``vision_ckpt.measure._memory.track_peak_memory``, exact but slow)."""
+    ``vision_ckpt.measure.track_peak_memory``, exact but slow)."""
 
     checkpoint: CheckpointConfig = CheckpointConfig(preset="auto")
     """The checkpoint config (``preset``, ``rules``, ``nesting``...); its

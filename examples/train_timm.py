@@ -35,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 
 import vision_ckpt
-from vision_ckpt.measure._memory import format_bytes, track_peak_memory
+from vision_ckpt.measure import format_bytes, track_peak_memory
 
 __all__ = [
     "StepStats",

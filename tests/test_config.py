@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from vision_ckpt import CheckpointConfig, ConfigError, KeepOps, Level, LevelRule
-from vision_ckpt.config import PresetFamily, PresetFile, parse_memory_budget
+from vision_ckpt import CheckpointConfig, ConfigError, Level, LevelRule
+from vision_ckpt.config import KeepOps, PresetFamily, PresetFile, parse_memory_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 # configs/train/ holds training-run configs (examples/_train_config.py validates them in

@@ -18,7 +18,8 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from vision_ckpt import CheckpointConfig, ConfigError, LevelError, VisionCkptError, parse_level
+from vision_ckpt import CheckpointConfig, ConfigError, LevelError, VisionCkptError
+from vision_ckpt.config import parse_level
 
 FIELDS = list(CheckpointConfig.model_fields)
 RULE_KEYS = ["match", "match_type", "level"]

@@ -22,14 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import vision_ckpt
-from vision_ckpt import (
-    CheckpointError,
-    VisionCkptError,
-    _compat,
-    checkpoint,
-    checkpoint_sequential,
-    is_recomputing,
-)
+from vision_ckpt import CheckpointError, VisionCkptError, _compat, checkpoint
+from vision_ckpt.runtime import checkpoint_sequential, is_recomputing
 
 # Keyword options that belong to checkpoint itself, never to the checkpointed function.
 _CHECKPOINT_OPTIONS = frozenset(

@@ -13,13 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from vision_ckpt import (
-    CheckpointError,
-    _compat,
-    checkpoint,
-    is_recomputing,
-    set_checkpoint_debug_enabled,
-)
+from vision_ckpt import CheckpointError, _compat, checkpoint
+from vision_ckpt.runtime import is_recomputing, set_checkpoint_debug_enabled
 
 FIX_HINT = re.compile(r"determinism_check|debug")
 

@@ -72,7 +72,7 @@ def test_timm_model_with_checkpointed_blocks_matches_plain(assert_exact, exact_s
     seen = []
     inside_last_block = next(blocks[-1].children())  # its hooks run inside the region
     inside_last_block.register_forward_hook(
-        lambda m, a, o: seen.append(vision_ckpt.is_recomputing())
+        lambda m, a, o: seen.append(vision_ckpt.runtime.is_recomputing())
     )
     x = torch.randn(2, 3, 32, 32)
 

@@ -283,7 +283,7 @@ def test_the_preset_file_round_trips(derived, tmp_path: Path, scratch_registry) 
     model, found = derived
     path = tmp_path / "derived.yaml"
     path.write_text(found.to_yaml())
-    vision_ckpt.register_preset("derived_net", path)
+    vision_ckpt.config.presets.register_preset("derived_net", path)
     assert vision_ckpt.load_preset("derived_net").rules == tuple(found.rules)
     ours = vision_ckpt.plan(model, found.config(5))
     loaded = vision_ckpt.plan(model, {"preset": "derived_net", "training_checkpoint_level": 5})
@@ -328,7 +328,7 @@ def test_cli_derive_prints_the_levels_and_writes_the_preset(
     assert "derived levels at batch 16" in printed and "x floor" in printed
     assert out.read_text().startswith("# Derived by vision_ckpt.tune.derive_preset")
     model = timm.create_model("resnet18", pretrained=False, num_classes=10)
-    vision_ckpt.register_preset("derived_resnet18", out)
+    vision_ckpt.config.presets.register_preset("derived_resnet18", out)
     plan = vision_ckpt.plan(model, {"preset": "derived_resnet18", "training_checkpoint_level": 5})
     assert plan.checkpointed
 

@@ -7,7 +7,8 @@ import re
 import pytest
 from hypothesis import given, strategies as st
 
-from vision_ckpt import Level, LevelError, is_checkpointed, parse_level
+from vision_ckpt import Level, LevelError
+from vision_ckpt.config import is_checkpointed, parse_level
 
 
 def test_levels_are_0_to_5_with_names_that_explain_themselves():

@@ -16,7 +16,7 @@ import torch
 import torchvision.models as tvm
 from torch import nn
 
-from vision_ckpt import ConfigError, PresetMismatchWarning
+from vision_ckpt import ConfigError
 from vision_ckpt.config import CheckpointConfig, LevelRule, PresetFile, _fallback, presets
 from vision_ckpt.config.matching import ModuleMatcher
 from vision_ckpt.config.presets import (
@@ -28,6 +28,7 @@ from vision_ckpt.config.presets import (
     preset_rules,
     register_preset,
 )
+from vision_ckpt.errors import PresetMismatchWarning
 from vision_ckpt.regions.apply import CheckpointPlan, plan
 
 PRESET_FILES = sorted((Path(__file__).parent.parent / "configs" / "presets").glob("*.yaml"))

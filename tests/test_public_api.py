@@ -15,14 +15,29 @@ from pathlib import Path
 import pytest
 
 import vision_ckpt
+import vision_ckpt.config.presets
+import vision_ckpt.errors
 import vision_ckpt.measure
+import vision_ckpt.regions
+import vision_ckpt.runtime
 import vision_ckpt.tune
 from vision_ckpt import _torch_floor
 
+# The public namespaces below the top level: each lists in ``__all__`` what lives in it
+# (``regions.apply`` is a module: the package ``regions`` cannot export a function ``apply``).
+_SUBPACKAGES = [
+    "vision_ckpt.config",
+    "vision_ckpt.config.presets",
+    "vision_ckpt.runtime",
+    "vision_ckpt.regions",
+    "vision_ckpt.regions.apply",
+    "vision_ckpt.errors",
+    "vision_ckpt.measure",
+    "vision_ckpt.tune",
+]
 _PUBLIC = [
     *(("vision_ckpt", n) for n in vision_ckpt.__all__),
-    *(("vision_ckpt.tune", n) for n in vision_ckpt.tune.__all__),
-    *(("vision_ckpt.measure", n) for n in vision_ckpt.measure.__all__),
+    *((p, n) for p in _SUBPACKAGES for n in importlib.import_module(p).__all__),
 ]
 
 
@@ -36,9 +51,30 @@ def test_every_exported_name_exists_and_is_documented(package: str, name: str) -
 def test_the_top_level_is_the_missions_api() -> None:
     """The wrapper, the training level, configs and rules, plan/apply/remove, presets, the
     checkpoint function and errors; the tuning tools live in ``vision_ckpt.tune``."""
-    assert len(vision_ckpt.__all__) <= 31
+    assert len(vision_ckpt.__all__) <= 20
     assert not set(vision_ckpt.tune.__all__) & set(vision_ckpt.__all__)
     assert not set(vision_ckpt.measure.__all__) & set(vision_ckpt.__all__)
+
+
+def test_every_top_level_name_lives_in_a_public_subpackage() -> None:
+    """The top level re-exports; each name is public, as the same object, where it lives."""
+    homes = {
+        name: package
+        for package in _SUBPACKAGES
+        for name in importlib.import_module(package).__all__
+    }
+    for name in set(vision_ckpt.__all__) - {"__version__"}:
+        assert name in homes, f"vision_ckpt.{name} is public in no subpackage"
+        assert getattr(vision_ckpt, name) is getattr(importlib.import_module(homes[name]), name)
+
+
+@pytest.mark.parametrize("name", sorted(vision_ckpt._MOVED))
+def test_a_name_that_left_the_top_level_is_public_where_it_went(name: str) -> None:
+    home = vision_ckpt._MOVED[name]
+    assert name in importlib.import_module(home).__all__
+    assert name not in vision_ckpt.__all__
+    with pytest.raises(AttributeError, match=f"moved to {home}"):
+        getattr(vision_ckpt, name)
 
 
 def test_presets_are_listed_from_the_package() -> None:
@@ -153,9 +189,10 @@ def test_lazy_names_match_the_type_checking_imports_and_all() -> None:
     assert set(typed) <= set(vision_ckpt.__all__)
 
 
-def test_register_preset_is_exported() -> None:
-    assert vision_ckpt.register_preset is vision_ckpt.config.presets.register_preset
+def test_the_preset_registry_is_public_in_config_presets() -> None:
     assert "register_preset" in vision_ckpt.config.presets.__all__
+    assert "preset_for_model" in vision_ckpt.config.presets.__all__
+    assert vision_ckpt.list_presets is vision_ckpt.config.presets.list_presets
 
 
 # --- the torch floor -------------------------------------------------------------------------

@@ -5,6 +5,11 @@ recomputed) derive from :class:`VisionCkptError`. Broken internal invariants go 
 :func:`internal_assert`, which raises :class:`VisionCkptInternalError`: that one means a bug in
 vision_ckpt, never in the caller's code.
 
+Its public names are every error and warning type. The four a caller catches
+(``VisionCkptError``, ``ConfigError``, ``LevelError``, ``CheckpointError``) are also at the top
+level; ``PresetMismatchWarning`` (to filter with :mod:`warnings`) and
+``VisionCkptInternalError`` are imported from here.
+
 This module imports nothing from the package (nor torch), so every other module may import it.
 """
 

@@ -157,8 +157,8 @@ def cmd_derive(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(found.to_yaml())
         console.print(
-            f"wrote {args.out}: use it with vision_ckpt.register_preset(name, {args.out!r}) and "
-            "preset: name, or copy its rules into a config"
+            f"wrote {args.out}: use it with vision_ckpt.config.presets.register_preset(name, "
+            f"{args.out!r}) and preset: name, or copy its rules into a config"
         )
     if args.json:
         Path(args.json).write_text(

@@ -268,7 +268,7 @@ def _load(name: str) -> tuple[CheckpointConfig, PresetFamily]:
         raise ConfigError(
             f"unknown preset {name!r}; {hint}available presets: {', '.join(names)}. "
             "Use 'auto' to pick the preset from the model's class, or register your own with "
-            "vision_ckpt.register_preset."
+            "vision_ckpt.config.presets.register_preset."
         )
     if isinstance(source, Path):
         loaded = _read_preset_file(key, source)

@@ -71,12 +71,13 @@ def is_recomputing() -> bool:
 
     Forward hooks, logging and metrics can use it to skip the second run of a region.
 
-    >>> import torch, vision_ckpt
+    >>> import torch
+    >>> from vision_ckpt.runtime import checkpoint, is_recomputing
     >>> seen = []
     >>> def f(x):
-    ...     seen.append(vision_ckpt.is_recomputing())
+    ...     seen.append(is_recomputing())
     ...     return x.sin().sin()
-    >>> vision_ckpt.checkpoint(f, torch.ones(2, requires_grad=True)).sum().backward()
+    >>> checkpoint(f, torch.ones(2, requires_grad=True)).sum().backward()
     >>> seen
     [False, True]
     """
@@ -101,9 +102,10 @@ def set_checkpoint_debug_enabled(enabled: bool | None) -> Iterator[None]:
     ``None`` restores the per-call ``debug=`` argument. Only the forward needs to run inside
     the block: the region remembers its setting until backward.
 
-    >>> import torch, vision_ckpt
-    >>> with vision_ckpt.set_checkpoint_debug_enabled(True):
-    ...     y = vision_ckpt.checkpoint(torch.sin, torch.ones(2, requires_grad=True))
+    >>> import torch
+    >>> from vision_ckpt.runtime import checkpoint, set_checkpoint_debug_enabled
+    >>> with set_checkpoint_debug_enabled(True):
+    ...     y = checkpoint(torch.sin, torch.ones(2, requires_grad=True))
     """
     global _debug_enabled
     previous = _debug_enabled
@@ -490,10 +492,11 @@ def checkpoint_sequential(
         use_reentrant: only ``False``/``None`` are supported.
         **kwargs: passed to :func:`checkpoint` (``preserve_rng_state``, ``context_fn``, ...).
 
-    >>> import torch, vision_ckpt
+    >>> import torch
+    >>> from vision_ckpt.runtime import checkpoint_sequential
     >>> seq = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
     >>> x = torch.randn(2, 4, requires_grad=True)
-    >>> vision_ckpt.checkpoint_sequential(seq, 3, x).shape
+    >>> checkpoint_sequential(seq, 3, x).shape
     torch.Size([2, 4])
     """
     if isinstance(functions, torch.nn.Sequential):
@@ -502,7 +505,7 @@ def checkpoint_sequential(
     count = len(functions)
     if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= count:
         raise ValueError(
-            f"vision_ckpt.checkpoint_sequential: segments={segments!r} is not valid for "
+            f"vision_ckpt.runtime.checkpoint_sequential: segments={segments!r} is not valid for "
             f"{count} functions; expected an integer from 1 to {count}."
         )
 

@@ -51,7 +51,7 @@ _user_saved_tensors_hooks = _compat.user_saved_tensors_hooks
 _FIX_TIP = (
     "If the region is deliberately data-dependent, pass determinism_check='none'; to see the "
     "operators of both runs, pass debug=True (or wrap the code in "
-    "`with vision_ckpt.set_checkpoint_debug_enabled(True):`)."
+    "`with vision_ckpt.runtime.set_checkpoint_debug_enabled(True):`)."
 )
 _anonymous_graph_ids = itertools.count(-2, -1)
 

@@ -120,8 +120,8 @@ class DerivedPreset:
     def to_yaml(self) -> str:
         """The preset file: a ``family:`` header naming the class, and the rules.
 
-        ``vision_ckpt.register_preset(name, path)`` loads it; bundled preset files have the same
-        form (``configs/presets/*.yaml``)."""
+        ``vision_ckpt.config.presets.register_preset(name, path)`` loads it; bundled preset files
+        have the same form (``configs/presets/*.yaml``)."""
         rules = [r.model_dump(exclude_defaults=True) for r in self.rules]
         for rule in rules:
             if isinstance(rule.get("level"), int):
