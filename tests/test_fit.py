@@ -148,3 +148,20 @@ def test_the_planner_row_plans_at_the_best_levels_batch() -> None:
     assert planner.predicted_peak <= 8 * 2**20 and planner.level is None
     assert planner.note.startswith("the planner at level 3's batch: ")
     assert "timed beside the levels: " in planner.note
+
+
+def test_one_extrapolator_for_every_tool() -> None:
+    """max_batch, the level search, the planner's menus and the derivation read bytes off the
+    same lines (``measure._extrapolate.Lines``): the rise times the distance, then divided by
+    the step, so a value the lines put on a whole byte is that byte (a slope first would give
+    63.00000000000001 here, and the menus truncate)."""
+    from vision_ckpt.measure._extrapolate import Lines, predict_from_timelines
+
+    line = Lines.through_peaks((3, 100), (6, 107))
+    assert line.at(33) == 170.0 and line.largest_within(170.0, 1000) == 33
+    lines = Lines.through((3, [100, 500]), (6, [107, 520]))
+    assert lines is not None and lines.at(33) == 700.0 and lines.at(6) == 520.0
+    assert lines.largest_within(700.0, 1000) == 33 and lines.largest_within(699.9, 1000) == 32
+    assert Lines.through((2, [1, 2]), (3, [1])) is None  # different operators
+    # when the timelines differ, the line through the peaks
+    assert predict_from_timelines([(3, [1, 500]), (6, [520])], [(3, 500), (6, 520)], 33) == 700

@@ -24,7 +24,6 @@ upper bound there; on CPU it is close.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -35,6 +34,7 @@ import torch
 from ..config.levels import parse_level
 from ..config.schema import CheckpointConfig, parse_memory_budget
 from ..errors import ConfigError
+from ..measure._extrapolate import Lines
 from ..measure._measure import (
     LossFn,
     Workload,
@@ -185,40 +185,18 @@ def _measure(work: Workload, batches: Sequence[int], time_steps: int) -> _Points
     return points
 
 
-def _lines(points: _Points, i: int, j: int) -> tuple[np.ndarray, np.ndarray, int] | None:
-    """Per operator (value at batch j, slope) of the lines through runs i and j, or ``None``
-    when the two runs did not execute the same operators."""
-    ti, tj = points.timelines[i], points.timelines[j]
-    if not ti or len(ti) != len(tj):
-        return None
-    yi, yj = np.asarray(ti, dtype=np.float64), np.asarray(tj, dtype=np.float64)
-    bi, bj = points.batches[i], points.batches[j]
-    return yj, (yj - yi) / (bj - bi), bj
+def _lines(points: _Points, i: int, j: int) -> Lines | None:
+    """The per-operator lines through runs i and j, or ``None`` when the two runs did not
+    execute the same operators."""
+    return Lines.through(
+        (points.batches[i], points.timelines[i]), (points.batches[j], points.timelines[j])
+    )
 
 
-def _peak_lines(points: _Points, i: int, j: int) -> tuple[np.ndarray, np.ndarray, int]:
-    pi, pj = float(points.peaks[i]), float(points.peaks[j])
-    bi, bj = points.batches[i], points.batches[j]
-    return np.array([pj]), np.array([(pj - pi) / (bj - bi)]), bj
-
-
-def _at(lines: tuple[np.ndarray, np.ndarray, int], batch: int) -> float:
-    y, slope, b = lines
-    return float(np.max(y + slope * (batch - b)))
-
-
-def _largest(lines: tuple[np.ndarray, np.ndarray, int], goal: float, cap: int) -> int:
-    """The largest batch in [0, cap] whose predicted peak is within ``goal`` (NOTE [ The
-    largest batch from a few small ones ])."""
-    y, slope, b = lines
-    rising = slope > 0
-    top = cap
-    if rising.any():
-        bound = b + (goal - y[rising]) / slope[rising]
-        top = min(cap, int(math.floor(float(bound.min()) + 1e-9)))
-    while top >= 1 and _at(lines, top) > goal:  # float slack; or a falling line over the goal
-        top = top - 1 if _at(lines, top - 1) <= goal else 0
-    return max(0, top)
+def _peak_lines(points: _Points, i: int, j: int) -> Lines:
+    return Lines.through_peaks(
+        (points.batches[i], points.peaks[i]), (points.batches[j], points.peaks[j])
+    )
 
 
 def _time_at(points: _Points, batch: int) -> float | None:
@@ -248,7 +226,7 @@ def _row(
             check = _peak_lines(points, 0, 1)
             notes.append("the runs executed different operators: line through the peaks")
         third = points.peaks[2]
-        error = abs(_at(check, points.batches[2]) - third) / third
+        error = abs(check.at(points.batches[2]) - third) / third
     last = _lines(points, -2, -1)
     if last is None:
         last = _peak_lines(points, -2, -1)
@@ -262,12 +240,12 @@ def _row(
         )
     if error is None:
         notes.append("linearity not checked (two batches measured)")
-    top = _largest(last, goal, cap)
+    top = last.largest_within(goal, cap)
     return FitRow(
         label=label,
         level=level,
         max_batch=top,
-        predicted_peak=int(round(_at(last, top))) if top else None,
+        predicted_peak=int(round(last.at(top))) if top else None,
         time_per_sample_s=_time_at(points, top),
         measured=list(zip(points.batches, points.peaks, strict=True)),
         linear_error=error,
