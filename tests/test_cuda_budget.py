@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import vision_ckpt
-from vision_ckpt.measure import _measure
+from vision_ckpt.measure import Measurement, _measure
 from vision_ckpt.measure._measure import (
     FitCheck,
     Snapshot,
@@ -193,7 +193,8 @@ def test_suggest_level_on_cuda_decides_on_the_allocator(monkeypatch) -> None:
         assert s.predicted_peak[level] == pytest.approx(fake.allocated(level, 16), abs=2 * MiB)
         assert [b for b, _ in s.reserved[level]] == [b for b, _ in s.measured[level]]
     assert s.level == 5 and not s.rejected
-    assert s.check == FitCheck(16, budget, fake.allocated(5, 16), 2 * GiB + 384 * MiB)
+    step = Measurement(peak=fake.allocated(5, 16), batch=16, meter="cuda allocator")
+    assert s.check == FitCheck(16, budget, step, 2 * GiB + 384 * MiB)
     assert "real step at batch 16: allocated 2.31 GiB" in s.explain()
     assert fake.events[-7:] == [
         "forward 16",  # the warm-up at the target batch
@@ -215,7 +216,7 @@ def test_suggest_level_on_cuda_rejects_a_level_whose_real_step_exceeds_the_budge
     fake.install(monkeypatch)
     s = suggest_level(model, example, "2.75GiB", batch_size=16, levels=[0, 3, 5])
     assert s.predicted_peak[3] * 1.05 <= 2.75 * GiB  # predicted to fit...
-    assert not s.rejected[3].fits and s.rejected[3].allocated_bytes == fake.allocated(3, 16)
+    assert not s.rejected[3].fits and s.rejected[3].measurement.peak == fake.allocated(3, 16)
     assert s.level == 5 and s.check is not None and s.check.fits  # ...the next one does
     assert "level 3 was predicted to fit, but its real step at batch 16: allocated" in s.explain()
 
@@ -247,7 +248,8 @@ def test_confirm_fits(monkeypatch) -> None:
     fake = FakeAllocator(model, {0: 100 * MiB})
     fake.install(monkeypatch)
     allocated = 2 * GiB + 800 * MiB
-    assert confirm_fits(work, 3 * GiB, 8) == FitCheck(8, 3 * GiB, allocated, allocated + 64 * MiB)
+    step = Measurement(peak=allocated, batch=8, meter="cuda allocator")
+    assert confirm_fits(work, 3 * GiB, 8) == FitCheck(8, 3 * GiB, step, allocated + 64 * MiB)
     over = confirm_fits(work, 2 * GiB + 799 * MiB, 8)
     assert over is not None and not over.fits and not over.out_of_memory
     assert over.explain().endswith("does not fit")

@@ -303,8 +303,8 @@ class _Rounds:
                 self.checks[key] = check
                 if check is not None and not check.fits:
                     measured = (
-                        check.allocated_bytes
-                        if check.allocated_bytes is not None
+                        check.measurement.peak
+                        if check.measurement is not None
                         else max(measured, self.budget_bytes) + 1
                     )
         self.count += 1
