@@ -998,7 +998,7 @@ def check_suggest(
                     row["explain"] = s.explain()
                     row["chose"] = s.level
                     if s.level is not None:
-                        row["predicted"] = s.predicted_peak[s.level]
+                        row["predicted"] = s.predicted[s.level].peak
                         vision_ckpt.apply_preset(model, s.level)
                 else:
                     p = plan_for_budget(model, x, budget, batch_size=args.batch, optimizer=opt)

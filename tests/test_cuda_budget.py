@@ -190,8 +190,10 @@ def test_suggest_level_on_cuda_decides_on_the_allocator(monkeypatch) -> None:
     for level in (0, 5):
         # the tracker's prediction plus the allocator's excess on its line: the fake's figure
         # at 16 (the tracker's own extrapolation error is a few hundred KB here)
-        assert s.predicted_peak[level] == pytest.approx(fake.allocated(level, 16), abs=2 * MiB)
-        assert [b for b, _ in s.reserved[level]] == [b for b, _ in s.measured[level]]
+        predicted = s.predicted[level]
+        assert predicted.meter == "cuda allocator" and predicted.predicted
+        assert predicted.peak == pytest.approx(fake.allocated(level, 16), abs=2 * MiB)
+        assert [b for b, _ in s.reserved[level]] == [m.batch for m in s.measured[level]]
     assert s.level == 5 and not s.rejected
     step = Measurement(peak=fake.allocated(5, 16), batch=16, meter="cuda allocator")
     assert s.check == FitCheck(16, budget, step, 2 * GiB + 384 * MiB)
@@ -215,7 +217,7 @@ def test_suggest_level_on_cuda_rejects_a_level_whose_real_step_exceeds_the_budge
     fake = FakeAllocator(model, {0: 60 * MiB, 3: 30 * MiB, 5: 20 * MiB}, spike={(3, 16): GiB})
     fake.install(monkeypatch)
     s = suggest_level(model, example, "2.75GiB", batch_size=16, levels=[0, 3, 5])
-    assert s.predicted_peak[3] * 1.05 <= 2.75 * GiB  # predicted to fit...
+    assert s.predicted[3].peak * 1.05 <= 2.75 * GiB  # predicted to fit...
     assert not s.rejected[3].fits and s.rejected[3].measurement.peak == fake.allocated(3, 16)
     assert s.level == 5 and s.check is not None and s.check.fits  # ...the next one does
     assert "level 3 was predicted to fit, but its real step at batch 16: allocated" in s.explain()
@@ -269,7 +271,8 @@ def test_profile_on_cuda_reports_the_allocator_and_decides_memory_limit_on_it(
     assert l5.skipped is None
     assert l5.cuda_peak_bytes == fake.allocated(5, 8)
     assert l5.cuda_reserved_bytes == 2 * GiB + 224 * MiB
-    assert l5.peak_bytes is not None and l5.peak_bytes < 100 * MiB  # the tracker, beside it
+    tracked = l5.measurement
+    assert tracked is not None and tracked.meter == "bytes" and tracked.peak < 100 * MiB
 
 
 def test_plan_for_budget_on_cuda_decides_on_the_allocator(monkeypatch) -> None:

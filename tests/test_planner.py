@@ -519,7 +519,7 @@ def test_never_slower_than_a_uniform_level_at_batch_32(name) -> None:
     model = timm.create_model(name, pretrained=False)
     x = torch.randn(4, 3, 224, 224)
     suggestion = vision_ckpt.tune.suggest_level(model, x, "1TiB", batch_size=32)
-    peaks = suggestion.predicted_peak
+    peaks = {level: m.peak for level, m in suggestion.predicted.items()}
     low, high = min(peaks.values()), peaks[0]
     for share in (0.2, 0.5, 0.8):
         _check_never_slower(model, x, int((low + share * (high - low)) * 1.05), 32)

@@ -50,17 +50,18 @@ def _profile_table(result: Any) -> Any:
     table.add_column("frontier")
     frontier = result.frontier()
     for e in result.levels:
-        if e.skipped is not None:
-            row = [str(e.level), str(e.regions), e.skipped, "", "", "", "", ""]
+        step = e.measurement
+        if e.skipped is not None or step is None:
+            row = [str(e.level), str(e.regions), e.skipped or "", "", "", "", "", ""]
         else:
             row = [
                 str(e.level),
                 str(e.regions),
-                fmt_bytes(e.peak_bytes),
+                fmt_bytes(step.peak),
                 fmt_bytes(e.activation_bytes),
                 fmt_bytes(e.saved_bytes),
                 "-" if e.saving is None else f"{e.saving:.1%}",
-                "-" if e.step_time_s is None else f"{e.step_time_s * 1000:.0f} ms",
+                "-" if step.seconds is None else f"{step.seconds * 1000:.0f} ms",
                 "-" if e.time_ratio is None else f"{e.time_ratio:.2f}x",
             ]
         if has_cuda:
@@ -80,9 +81,9 @@ def _profile_table(result: Any) -> Any:
 def _floor_line(floor: Any, result: Any) -> str:
     """The floor, and each measured level's peak as a multiple of it."""
     above = ", ".join(
-        f"L{e.level} {e.peak_bytes / floor.floor_bytes:.2f}x"
+        f"L{e.level} {e.measurement.peak / floor.floor_bytes:.2f}x"
         for e in result.levels
-        if e.skipped is None and e.peak_bytes
+        if e.skipped is None and e.measurement is not None and e.measurement.peak
     )
     return (
         f"physical floor {fmt_bytes(floor.floor_bytes)} (no region plan peaks lower: "
@@ -97,10 +98,10 @@ def _plot(result: Any, path: str, planned: list[dict[str, Any]] | None = None) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [e for e in result.levels if e.skipped is None]
+    points = [e for e in result.levels if e.skipped is None and e.measurement is not None]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     xs = [e.time_ratio or 1.0 for e in points]
-    ys = [(e.peak_bytes or 0) / 2**20 for e in points]
+    ys = [e.measurement.peak / 2**20 for e in points]
     ax.plot(xs, ys, marker="o")
     for i, (e, x, y) in enumerate(zip(points, xs, ys, strict=True)):
         # Alternate above/below: levels with the same peak would otherwise print over each other.
@@ -249,9 +250,9 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     table.add_column("level", justify="right")
     table.add_column("predicted peak", justify="right")
     table.add_column("fits", justify="center")
-    for level, peak in suggestion.predicted_peak.items():
-        fits = peak * (1 + suggestion.margin) <= suggestion.budget_bytes
-        table.add_row(str(level), fmt_bytes(peak), "yes" if fits else "no")
+    for level, predicted in suggestion.predicted.items():
+        fits = predicted.peak * (1 + suggestion.margin) <= suggestion.budget_bytes
+        table.add_row(str(level), fmt_bytes(predicted.peak), "yes" if fits else "no")
     console.print(table)
     console.print(suggestion.explain())
     report: dict[str, Any] = {"uniform": {"level": suggestion.level, "meter": suggestion.meter}}
