@@ -1004,7 +1004,7 @@ def check_suggest(
                     p = plan_for_budget(model, x, budget, batch_size=args.batch, optimizer=opt)
                     row["explain"] = p.explain()
                     row["chose"] = f"{len(p.blocks)} blocks" if p.config is not None else None
-                    row["predicted"] = p.predicted_peak
+                    row["predicted"] = p.measurement.peak
                     if p.config is not None:
                         vision_ckpt.apply(model, p.config)
                 if row["chose"] is not None:

@@ -278,13 +278,14 @@ def test_profile_on_cuda_reports_the_allocator_and_decides_memory_limit_on_it(
 def test_plan_for_budget_on_cuda_decides_on_the_allocator(monkeypatch) -> None:
     model, example = _model(), _x(2)
     on_cpu = plan_for_budget(model, example, "1GiB", batch_size=16, max_rounds=1)
-    assert on_cpu.config is not None and on_cpu.predicted_peak < 100 * MiB
+    assert on_cpu.config is not None and on_cpu.measurement.peak < 100 * MiB
     fake = FakeAllocator(model, {-1: 10 * MiB})
     fake.install(monkeypatch)
     on_cuda = plan_for_budget(model, example, "1GiB", batch_size=16, max_rounds=1)
     # the tracker's few MB plus the allocator's 2 GiB: nothing fits 1 GiB
     assert on_cuda.config is None
-    assert on_cuda.predicted_peak == pytest.approx(2 * GiB + 160 * MiB, abs=4 * MiB)
+    assert on_cuda.measurement.meter == "cuda allocator"
+    assert on_cuda.measurement.peak == pytest.approx(2 * GiB + 160 * MiB, abs=4 * MiB)
 
 
 def _optimizer_with_state(model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -292,8 +292,8 @@ def _plan_table(result: Any, batch_size: int) -> Any:
         level = result.uniform[fastest]
         plan_table.add_row(
             f"level {fastest} (fastest uniform level that fits)",
-            fmt_bytes(level["peak"]),
-            fmt_seconds(level["time"]),
+            fmt_bytes(level.peak),
+            fmt_seconds(level.seconds),
             "every block of the level",
             "yes" if result.uniform_level == fastest else "",
         )
@@ -303,8 +303,8 @@ def _plan_table(result: Any, batch_size: int) -> Any:
             counts[strategy] = counts.get(strategy, 0) + 1
         plan_table.add_row(
             "per-block plan",
-            fmt_bytes(per_block.predicted_peak),
-            fmt_seconds(per_block.step_time),
+            fmt_bytes(per_block.measurement.peak),
+            fmt_seconds(per_block.measurement.seconds),
             ", ".join(f"{n} {s}" for s, n in counts.items()),
             "yes" if result.uniform_level is None else "",
         )
@@ -323,14 +323,16 @@ def _plan_report(result: Any) -> dict[str, Any]:
     report: dict[str, Any] = {
         "uniform": {
             "fastest_level": result.fastest_uniform(),
-            "levels": {str(k): v for k, v in result.uniform.items()},
+            "levels": {
+                str(k): {**dataclasses.asdict(v), "fits": v.seconds is not None}
+                for k, v in result.uniform.items()
+            },
         },
         "plan": {
             "fits": result.config is not None,
             "uniform_level": result.uniform_level,
-            "predicted_peak": result.predicted_peak,
+            "measurement": dataclasses.asdict(result.measurement),
             "predicted_time_s": result.predicted_time,
-            "step_time_s": result.step_time,
             "base_time_s": result.base_time,
             "strategies": result.strategies,
             "seconds": result.seconds,
@@ -339,8 +341,7 @@ def _plan_report(result: Any) -> dict[str, Any]:
     }
     if per_block is not None and per_block is not result:
         report["plan"]["per_block"] = {
-            "predicted_peak": per_block.predicted_peak,
-            "step_time_s": per_block.step_time,
+            "measurement": dataclasses.asdict(per_block.measurement),
             "strategies": per_block.strategies,
         }
     return report

@@ -42,7 +42,6 @@ from ..measure._measure import (
     following_global,
     measure_memory,
     measure_time,
-    meter_for,
     model_restored,
 )
 from ..measure._memory import format_bytes
@@ -528,17 +527,14 @@ def _planner_row(
         return FitRow(
             "planner", None, None, note=f"no per-block plan fits batch {batch}: {planned.explain()}"
         )
-    seconds = planned.step_time or planned.predicted_time or None
-    meter = meter_for(example.device).name
-    at_batch = Measurement(
-        peak=planned.predicted_peak, batch=batch, meter=meter, seconds=seconds, predicted=True
-    )
+    seconds = planned.measurement.seconds or planned.predicted_time or None
+    at_batch = replace(planned.measurement, seconds=seconds)
     per_sample = at_batch.seconds_per_sample
     fastest = planned.fastest_uniform()
     scale = ""
     if fastest is not None and per_sample is not None:
         # the planner times the plan and the levels on its own small batches: compare there
-        level_time = planned.uniform[fastest]["time"] / batch
+        level_time = planned.uniform[fastest].seconds_per_sample
         scale = (
             f"; timed beside the levels: {per_sample * 1000:.3g} ms/sample against level "
             f"{fastest}'s {level_time * 1000:.3g}"
