@@ -1472,9 +1472,9 @@ def check_derive(args: argparse.Namespace, models: dict[str, dict[str, Any]]) ->
             row.update(exact[v])
             if v == "L0":
                 row["derive_s"] = round(found.seconds, 1)
-                row["predicted"] = found.peak0
+                row["predicted"] = found.plain.peak
             if v in derived:
-                row["predicted"] = derived[v].peak
+                row["predicted"] = derived[v].measurement.peak
                 row["same_as_above"] = [
                     lv.level for lv in found.levels if lv.same_as == derived[v].level
                 ]

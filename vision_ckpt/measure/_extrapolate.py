@@ -15,6 +15,7 @@ import numpy as np
 from ._measure import StepMemory, Workload, measure_memory
 
 __all__ = [
+    "MEASURED_UP_TO",
     "Lines",
     "small_batches",
     "extrapolated_peak",
@@ -119,6 +120,11 @@ def predict_from_timelines(
     return int(round(found.at(batch)))
 
 
+MEASURED_UP_TO = 4
+"""A target batch up to this one is measured itself, not extrapolated
+(:func:`extrapolated_peak`)."""
+
+
 def small_batches(target: int) -> tuple[int, int]:
     """The two batch sizes measured to predict ``target``: about ``target/8`` and ``target/4``."""
     # Never batch 1: BatchNorm refuses a single value per channel (e.g. after global pooling).
@@ -139,12 +145,12 @@ def extrapolated_peak(
 
     ``measure(batch, timeline)`` runs one step at that batch, appends the live bytes after each
     operator to ``timeline`` and returns the peak. Batches at or above ``target`` are never run
-    unless ``target`` itself is tiny (<= 4), when it is simply measured.
+    unless ``target`` itself is tiny (up to :data:`MEASURED_UP_TO`), when it is simply measured.
 
     Returns:
         The predicted peak, and the (batch, measured peak) points it was predicted from.
     """
-    if target <= 4:
+    if target <= MEASURED_UP_TO:
         peak = measure(target, [])
         return peak, [(target, peak)]
     lines: list[tuple[int, list[int]]] = []
