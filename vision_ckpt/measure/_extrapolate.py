@@ -83,10 +83,10 @@ class Lines:
 
     def at(self, batch: int) -> float:
         """The largest line's value at ``batch``."""
-        # NOTE: the rise is multiplied by the distance before it is divided by the step. For
-        # whole bytes the product is exact, so a value that the lines put on a whole byte is
-        # that byte (the menus truncate it), and steps of a power of two (max_batch's default
-        # batches, a target that is a multiple of 8) give the same float as any other order.
+        # The rise is multiplied by the distance before it is divided by the step: for whole
+        # bytes the product is exact, so a value the lines put on a whole byte is that byte
+        # (the menus truncate it). With a step of 1 (max_batch's default batches) or any
+        # power of two, every order of these operations gives the same float.
         return float(np.max(self.values + self.rises * (batch - self.batch) / self.step))
 
     def largest_within(self, goal: float, cap: int) -> int:

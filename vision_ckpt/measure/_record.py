@@ -3,7 +3,9 @@
 Every tool that measures or predicts a step reports its peak and its time in this record, with
 the batch they are for, the meter that counted the peak, and whether a step at that batch ran:
 the profile of a level, the predictions of ``suggest_level``, the rows of ``max_batch``, the
-per-block planner's answer, a derived level and the real step that confirms a plan on CUDA.
+per-block planner's answer and its uniform levels, a derived level and the real step that
+confirms a plan on CUDA. A meter's reading of one step becomes one with
+``StepMemory.measurement``.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ class Measurement:
     model's where it is ``"modelled"``; ``None`` when not timed."""
     predicted: bool = False
     """``False`` when a step at ``batch`` ran and these are its figures; ``True`` when they are
-    extrapolated from smaller batches (NOTE [ Predicting the peak of a larger batch ] in
-    ``vision_ckpt.measure._extrapolate``) or come from a model."""
+    read off lines through steps at other batches (NOTE [ Predicting the peak of a larger
+    batch ] in ``vision_ckpt.measure._extrapolate``) or come from a model."""
 
     def __post_init__(self) -> None:
         if self.meter not in METERS:
