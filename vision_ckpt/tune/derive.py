@@ -88,8 +88,7 @@ def derive_preset(
             more small steps), for :meth:`DerivedPreset.table`.
 
     Returns:
-        A :class:`DerivedPreset`: ``rules``, ``config(level)``, ``to_yaml()``, and per level its
-        peak and predicted time.
+        A :class:`DerivedPreset`: ``rules``, ``config(level)``, ``to_yaml()``, each level's step.
 
     Raises:
         ConfigError: the trace finds nothing to checkpoint.
