@@ -245,7 +245,7 @@ def measured_levels(
     plans = level_plans(menus, measure_with(lean), lowest, _anchors(work, regions, target))
     plans = unnested(menus, alone, plans, measure_with(lean))
     per_level = [strategies for strategies, _, _ in plans]
-    plain, _ = plain_steps(work, menus, target)
+    plain, plain_modelled = plain_steps(work, menus, target)
     levels = [
         DerivedLevel(
             level=k,
@@ -265,7 +265,7 @@ def measured_levels(
     if found.lean is not None:
         for lv in levels[found.lean - 1 :]:
             lv.lean = tuple(s.name for s in regions.lean)
-    _mark_steps(levels, *plain_steps(work, menus, target))
+    _mark_steps(levels, plain, plain_modelled)
     _account(levels, found, regions, menus)
     per_level = [lv.strategies for lv in levels]
     rules = found.rules(work.model, regions, menus, per_level)

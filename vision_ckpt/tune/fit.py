@@ -98,8 +98,8 @@ class _Points:
     @property
     def times(self) -> list[float]:
         """The steps' seconds, or none when they were not timed."""
-        times = [s.seconds for s in self.steps]
-        return [] if None in times else times  # type: ignore[misc]
+        times = [s.seconds for s in self.steps if s.seconds is not None]
+        return times if len(times) == len(self.steps) else []
 
 
 @dataclass
