@@ -209,7 +209,7 @@ def bench_model(
     found = derive_preset(copy.deepcopy(model), x[:2].clone(), batch, loss_fn=output_loss)
     derive_s = time.perf_counter() - started
     print(found, flush=True)
-    predicted = {f"D{lv.level}": lv.peak for lv in found.levels}
+    predicted = {f"D{lv.level}": lv.measurement.peak for lv in found.levels}
     runs = _variants(name, model, found)
     rows: dict[str, dict[str, Any]] = {}
     reference = None

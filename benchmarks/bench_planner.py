@@ -201,8 +201,8 @@ def bench_model(
                 budget_mb=budget / MB,
                 fits=bool(variant and variant.peak <= budget),
                 plan_peak_mb=variant.peak / MB if variant else None,
-                predicted_peak_mb=result.predicted_peak / MB if variant else None,
-                peak_error=(result.predicted_peak - variant.peak) / variant.peak
+                predicted_peak_mb=result.measurement.peak / MB if variant else None,
+                peak_error=(result.measurement.peak - variant.peak) / variant.peak
                 if variant
                 else None,
                 plan_ratio=plan_ratio,

@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         measured = {lv: measured_peak(model, target, config, lv) for lv in levels}
         for lv in levels:
-            predicted = suggestion.predicted_peak[lv]
-            points = ", ".join(f"{b}: {format_bytes(p)}" for b, p in suggestion.measured[lv])
+            predicted = suggestion.predicted[lv].peak
+            steps = suggestion.measured[lv]
+            points = ", ".join(f"{m.batch}: {format_bytes(m.peak)}" for m in steps)
             prediction.add_row(
                 name,
                 str(lv),

@@ -114,7 +114,7 @@ def check(entry: str) -> dict[str, object]:
     model.train()
     example = torch.randn(2, *shape)
     found = vision_ckpt.tune.derive_preset(model, example, batch, loss_fn=output_loss, floor=False)
-    peaks = [found.peak0] + [lv.peak for lv in found.levels]
+    peaks = [found.plain.peak] + [lv.measurement.peak for lv in found.levels]
     if any(b > a for a, b in zip(peaks, peaks[1:], strict=False)):
         raise AssertionError(f"a level's peak rose above the level below's: {peaks}")
     x = torch.randn(4, *shape)
@@ -131,19 +131,21 @@ def check(entry: str) -> dict[str, object]:
         # the preset as written runs the plan the derivation measured (NOTE [ One rung per way ])
         work = Workload(derived, example, output_loss, None)
         written = extrapolated_peak(peak_measurer(work), batch, None, halfway=False)[0]
-        if written != lv.peak:
+        if written != lv.measurement.peak:
             raise AssertionError(
-                f"level {lv.level} as written peaks at {written} bytes, derived at {lv.peak}"
+                f"level {lv.level} as written peaks at {written} bytes, derived at "
+                f"{lv.measurement.peak}"
             )
     return {
         "batch": batch,
         "input": list(shape),
-        "peak0": found.peak0,
+        "peak0": found.plain.peak,
         "levels": [
             {
                 "level": lv.level,
-                "peak": lv.peak,
-                "time": lv.predicted_time / found.base_time,  # modelled, against level 0
+                "peak": lv.measurement.peak,
+                # modelled, against level 0
+                "time": lv.modelled.seconds / found.plain_modelled.seconds,
                 "same_as": lv.same_as,
             }
             for lv in found.levels

@@ -998,13 +998,13 @@ def check_suggest(
                     row["explain"] = s.explain()
                     row["chose"] = s.level
                     if s.level is not None:
-                        row["predicted"] = s.predicted_peak[s.level]
+                        row["predicted"] = s.predicted[s.level].peak
                         vision_ckpt.apply_preset(model, s.level)
                 else:
                     p = plan_for_budget(model, x, budget, batch_size=args.batch, optimizer=opt)
                     row["explain"] = p.explain()
                     row["chose"] = f"{len(p.blocks)} blocks" if p.config is not None else None
-                    row["predicted"] = p.predicted_peak
+                    row["predicted"] = p.measurement.peak
                     if p.config is not None:
                         vision_ckpt.apply(model, p.config)
                 if row["chose"] is not None:
@@ -1472,9 +1472,9 @@ def check_derive(args: argparse.Namespace, models: dict[str, dict[str, Any]]) ->
             row.update(exact[v])
             if v == "L0":
                 row["derive_s"] = round(found.seconds, 1)
-                row["predicted"] = found.peak0
+                row["predicted"] = found.plain.peak
             if v in derived:
-                row["predicted"] = derived[v].peak
+                row["predicted"] = derived[v].measurement.peak
                 row["same_as_above"] = [
                     lv.level for lv in found.levels if lv.same_as == derived[v].level
                 ]

@@ -55,16 +55,18 @@ def test_profile_prints_the_table_and_writes_json_and_plot(tmp_path: Path, capsy
         assert set(entry) >= {
             "level",
             "regions",
-            "peak_bytes",
+            "measurement",
             "activation_bytes",
             "saved_bytes",
             "backward_flops",
-            "step_time_s",
             "time_ratio",
             "saving",
             "skipped",
         }
-        assert isinstance(entry["peak_bytes"], int) and entry["peak_bytes"] > 0
+        step = entry["measurement"]
+        assert set(step) == {"peak", "batch", "meter", "seconds", "predicted"}
+        assert isinstance(step["peak"], int) and step["peak"] > 0 and step["seconds"] > 0
+        assert (step["batch"], step["meter"], step["predicted"]) == (2, "bytes", False)
     assert out_png.stat().st_size > 1000
 
 

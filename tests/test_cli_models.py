@@ -304,7 +304,7 @@ def test_fit_and_profile_on_a_hugging_face_vit_from_a_config(tmp_path: Path, cap
     assert data["input_shape"] == [3, 32, 32]  # from the config's image_size and num_channels
     labels = [r["label"] for r in data["rows"]]
     assert labels == ["level 0", "level 3", "own switch (activation_checkpointing_enable())"]
-    assert all(r["time_per_sample_s"] > 0 for r in data["rows"])
+    assert all(r["measurement"]["seconds"] > 0 for r in data["rows"])
     assert (
         main(["profile", "--model", HF_VIT, "--batch-size", "2", "--levels", "0,3", "--steps", "1"])
         == 0

@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import vision_ckpt
-from vision_ckpt.measure import _measure
+from vision_ckpt.measure import Measurement, _measure
 from vision_ckpt.measure._measure import (
     FitCheck,
     Snapshot,
@@ -190,10 +190,13 @@ def test_suggest_level_on_cuda_decides_on_the_allocator(monkeypatch) -> None:
     for level in (0, 5):
         # the tracker's prediction plus the allocator's excess on its line: the fake's figure
         # at 16 (the tracker's own extrapolation error is a few hundred KB here)
-        assert s.predicted_peak[level] == pytest.approx(fake.allocated(level, 16), abs=2 * MiB)
-        assert [b for b, _ in s.reserved[level]] == [b for b, _ in s.measured[level]]
+        predicted = s.predicted[level]
+        assert predicted.meter == "cuda allocator" and predicted.predicted
+        assert predicted.peak == pytest.approx(fake.allocated(level, 16), abs=2 * MiB)
+        assert [b for b, _ in s.reserved[level]] == [m.batch for m in s.measured[level]]
     assert s.level == 5 and not s.rejected
-    assert s.check == FitCheck(16, budget, fake.allocated(5, 16), 2 * GiB + 384 * MiB)
+    step = Measurement(peak=fake.allocated(5, 16), batch=16, meter="cuda allocator")
+    assert s.check == FitCheck(16, budget, step, 2 * GiB + 384 * MiB)
     assert "real step at batch 16: allocated 2.31 GiB" in s.explain()
     assert fake.events[-7:] == [
         "forward 16",  # the warm-up at the target batch
@@ -214,8 +217,8 @@ def test_suggest_level_on_cuda_rejects_a_level_whose_real_step_exceeds_the_budge
     fake = FakeAllocator(model, {0: 60 * MiB, 3: 30 * MiB, 5: 20 * MiB}, spike={(3, 16): GiB})
     fake.install(monkeypatch)
     s = suggest_level(model, example, "2.75GiB", batch_size=16, levels=[0, 3, 5])
-    assert s.predicted_peak[3] * 1.05 <= 2.75 * GiB  # predicted to fit...
-    assert not s.rejected[3].fits and s.rejected[3].allocated_bytes == fake.allocated(3, 16)
+    assert s.predicted[3].peak * 1.05 <= 2.75 * GiB  # predicted to fit...
+    assert not s.rejected[3].fits and s.rejected[3].measurement.peak == fake.allocated(3, 16)
     assert s.level == 5 and s.check is not None and s.check.fits  # ...the next one does
     assert "level 3 was predicted to fit, but its real step at batch 16: allocated" in s.explain()
 
@@ -247,7 +250,8 @@ def test_confirm_fits(monkeypatch) -> None:
     fake = FakeAllocator(model, {0: 100 * MiB})
     fake.install(monkeypatch)
     allocated = 2 * GiB + 800 * MiB
-    assert confirm_fits(work, 3 * GiB, 8) == FitCheck(8, 3 * GiB, allocated, allocated + 64 * MiB)
+    step = Measurement(peak=allocated, batch=8, meter="cuda allocator")
+    assert confirm_fits(work, 3 * GiB, 8) == FitCheck(8, 3 * GiB, step, allocated + 64 * MiB)
     over = confirm_fits(work, 2 * GiB + 799 * MiB, 8)
     assert over is not None and not over.fits and not over.out_of_memory
     assert over.explain().endswith("does not fit")
@@ -267,19 +271,21 @@ def test_profile_on_cuda_reports_the_allocator_and_decides_memory_limit_on_it(
     assert l5.skipped is None
     assert l5.cuda_peak_bytes == fake.allocated(5, 8)
     assert l5.cuda_reserved_bytes == 2 * GiB + 224 * MiB
-    assert l5.peak_bytes is not None and l5.peak_bytes < 100 * MiB  # the tracker, beside it
+    tracked = l5.measurement
+    assert tracked is not None and tracked.meter == "bytes" and tracked.peak < 100 * MiB
 
 
 def test_plan_for_budget_on_cuda_decides_on_the_allocator(monkeypatch) -> None:
     model, example = _model(), _x(2)
     on_cpu = plan_for_budget(model, example, "1GiB", batch_size=16, max_rounds=1)
-    assert on_cpu.config is not None and on_cpu.predicted_peak < 100 * MiB
+    assert on_cpu.config is not None and on_cpu.measurement.peak < 100 * MiB
     fake = FakeAllocator(model, {-1: 10 * MiB})
     fake.install(monkeypatch)
     on_cuda = plan_for_budget(model, example, "1GiB", batch_size=16, max_rounds=1)
     # the tracker's few MB plus the allocator's 2 GiB: nothing fits 1 GiB
     assert on_cuda.config is None
-    assert on_cuda.predicted_peak == pytest.approx(2 * GiB + 160 * MiB, abs=4 * MiB)
+    assert on_cuda.measurement.meter == "cuda allocator"
+    assert on_cuda.measurement.peak == pytest.approx(2 * GiB + 160 * MiB, abs=4 * MiB)
 
 
 def _optimizer_with_state(model: torch.nn.Module) -> torch.optim.Optimizer:

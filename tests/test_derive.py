@@ -179,9 +179,15 @@ def test_every_derived_level_is_exact(derived, assert_exact, exact_step) -> None
 def test_levels_grow_and_lower_the_peak(derived) -> None:
     model, found = derived
     assert [lv.level for lv in found.levels] == [1, 2, 3, 4, 5]
-    peaks = [found.peak0] + [lv.peak for lv in found.levels]
+    peaks = [found.plain.peak] + [lv.measurement.peak for lv in found.levels]
     assert all(b <= a for a, b in zip(peaks, peaks[1:], strict=False)), peaks
-    assert found.levels[-1].peak < found.peak0 * 0.8, peaks
+    assert found.levels[-1].measurement.peak < found.plain.peak * 0.8, peaks
+    # measured peaks by the device's meter, untimed; the program's figures beside them
+    for lv in [found, *found.levels]:
+        step = lv.plain if lv is found else lv.measurement
+        modelled = lv.plain_modelled if lv is found else lv.modelled
+        assert (step.meter, step.batch, step.seconds, step.predicted) == ("bytes", 16, None, True)
+        assert modelled.meter == "modelled" and modelled.batch == 16 and modelled.seconds > 0
     # each level checkpoints at least what the level below does: regions only get added
     plan = vision_ckpt.plan(model, found.config())
     below: set[str] = set()
@@ -192,8 +198,8 @@ def test_levels_grow_and_lower_the_peak(derived) -> None:
     # a level marked as the one below runs that plan, and lowered the peak by under 5 %
     for lv in found.levels:
         if lv.same_as is not None:
-            below_peak = found.peak0 if lv.same_as == 0 else found.levels[lv.same_as - 1].peak
-            assert lv.peak == below_peak
+            below = found.plain if lv.same_as == 0 else found.levels[lv.same_as - 1].measurement
+            assert lv.measurement == below
 
 
 def test_a_derivation_is_the_same_on_every_run(derived) -> None:
@@ -202,7 +208,7 @@ def test_a_derivation_is_the_same_on_every_run(derived) -> None:
     model, found = derived
     again = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=16, floor=False)
     assert again.to_yaml() == found.to_yaml()
-    assert [lv.predicted_time for lv in again.levels] == [lv.predicted_time for lv in found.levels]
+    assert [lv.modelled for lv in again.levels] == [lv.modelled for lv in found.levels]
 
 
 def test_a_derivation_measures_its_plans_at_the_two_small_batches(monkeypatch) -> None:
@@ -254,7 +260,8 @@ def test_a_level_measured_over_its_goal_is_asked_again_for_less(derived, monkeyp
 
 def test_the_floor_is_below_every_level(derived) -> None:
     _, found = derived
-    assert found.floor is not None and 0 < found.floor <= min(lv.peak for lv in found.levels)
+    lowest = min(lv.measurement.peak for lv in found.levels)
+    assert found.floor is not None and 0 < found.floor <= lowest
     rows = found.table()
     assert [r["level"] for r in rows] == [0, 1, 2, 3, 4, 5]
     assert all(r["x_floor"] >= 1.0 for r in rows)
@@ -543,7 +550,7 @@ def test_a_group_that_does_not_combine_is_left_out_of_the_low_end() -> None:
     torch.manual_seed(0)
     model = transformers.PoolFormerForImageClassification(config)
     found = derive_preset(model, torch.randn(2, 3, 64, 64), 16, loss_fn=output_loss, floor=False)
-    assert found.levels[-1].peak < found.peak0
+    assert found.levels[-1].measurement.peak < found.plain.peak
 
 
 def test_levels_1_to_3_recompute_a_block_twice_only_past_the_knee(derived) -> None:
@@ -554,7 +561,8 @@ def test_levels_1_to_3_recompute_a_block_twice_only_past_the_knee(derived) -> No
     one, two, three = found.levels[:3]
     assert "nested" not in one.strategies.values() and "nested" not in two.strategies.values()
     assert "nested" in three.strategies.values()
-    assert three.same_as is None and three.peak <= two.peak * 0.95
+    assert three.same_as is None
+    assert three.measurement.peak <= two.measurement.peak * 0.95
 
 
 def test_groups_of_blocks_start_at_level_4() -> None:
@@ -641,7 +649,7 @@ def test_a_module_the_planner_holds_as_a_stage_gets_its_rule(assert_exact, exact
     torch.manual_seed(0)
     model = timm.create_model("ghostnet_100", pretrained=False, num_classes=10)
     found = derive_preset(model, torch.randn(2, 3, 32, 32), batch_size=8, floor=False)
-    assert found.levels[-1].peak < found.peak0
+    assert found.levels[-1].measurement.peak < found.plain.peak
     _every_level_is_exact(model, found, assert_exact, exact_step)
 
 
@@ -727,7 +735,7 @@ def test_a_stage_whole_around_its_layers_whole_is_a_second_recomputation(assert_
     nested = [lv.level for lv in found.levels if "held_nested" in lv.strategies.values()]
     assert nested and nested[0] >= 3
     if nested[0] == 3:
-        assert found.levels[2].peak <= found.levels[1].peak * 0.95
+        assert found.levels[2].measurement.peak <= found.levels[1].measurement.peak * 0.95
     whole = {r.match: r.level for r in found.rules if r.keep is None and r.match.endswith(".main")}
     layers = {r.match: r.level for r in found.rules if r.keep is None and ".main." in r.match}
     assert whole and set(whole) <= {"1.0.main", "1.1.main", "1.2.main"}, whole
@@ -863,7 +871,7 @@ def test_a_skip_is_dropped_by_inner_regions_alone_and_a_run_of_units(
     runs = [lv for lv in found.levels if lv.runs == ("inp..down",)]
     assert runs and runs[0].level >= 4, [(lv.level, lv.runs) for lv in found.levels]
     below = found.levels[runs[0].level - 2]
-    assert runs[0].peak < below.peak * 0.95  # a step of its own
+    assert runs[0].measurement.peak < below.measurement.peak * 0.95  # a step of its own
     rule = next(r for r in found.rules if r.through == "down")
     assert (rule.match, int(rule.level)) == ("inp", runs[0].level)
     _every_level_is_exact(model, found, assert_exact, exact_step)
@@ -979,7 +987,7 @@ def test_every_derived_level_of_the_issues_models_is_exact(
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
     found = derive_preset(model, torch.randn(2, 3, img, img), batch_size=8, floor=False)
-    peaks = [found.peak0] + [lv.peak for lv in found.levels]
+    peaks = [found.plain.peak] + [lv.measurement.peak for lv in found.levels]
     assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0], peaks
     _every_level_is_exact(model, found, assert_exact, exact_step, img)
 

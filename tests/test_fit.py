@@ -50,9 +50,11 @@ def test_the_largest_batch_fits_and_one_more_does_not() -> None:
     for level in (0, 5):
         row = fit.row(f"level {level}")
         assert row.linear and row.linear_error == 0.0, row
-        assert [b for b, _ in row.measured] == [2, 3, 4]
+        assert [m.batch for m in row.measured] == [2, 3, 4]
+        assert not any(m.predicted for m in row.measured) and row.measurement.predicted
+        assert row.measurement.batch == row.max_batch and row.measurement.meter == "bytes"
         at = _real_peak(model, level, row.max_batch)
-        assert at == row.predicted_peak  # bytes per operator are exactly lines in the batch
+        assert at == row.measurement.peak  # bytes per operator are exactly lines in the batch
         assert at <= budget < _real_peak(model, level, row.max_batch + 1)
     assert fit.row("level 5").max_batch > fit.row("level 0").max_batch
     assert fit.best_level() is fit.row("level 5")
@@ -104,7 +106,9 @@ def test_the_model_comes_back_as_it_was_and_time_is_predicted() -> None:
     model = _resnet()
     before = copy.deepcopy(model.state_dict())
     fit = vision_ckpt.tune.max_batch(model, (3, 32, 32), "128MiB", levels=[3], time_steps=1)
-    assert fit.row("level 3").time_per_sample_s > 0
+    row = fit.row("level 3")
+    assert row.measurement.seconds_per_sample == row.measurement.seconds / row.max_batch > 0
+    assert all(m.seconds > 0 for m in row.measured)
     assert fit.to_dict()["best_level"] == 3
     after = model.state_dict()
     assert before.keys() == after.keys()
@@ -145,6 +149,23 @@ def test_the_planner_row_plans_at_the_best_levels_batch() -> None:
     )
     best, planner = fit.best_level(), fit.row("planner")
     assert best.level == 3 and planner.max_batch == best.max_batch
-    assert planner.predicted_peak <= 8 * 2**20 and planner.level is None
+    assert planner.measurement.peak <= 8 * 2**20 and planner.level is None
     assert planner.note.startswith("the planner at level 3's batch: ")
     assert "timed beside the levels: " in planner.note
+
+
+def test_one_extrapolator_for_every_tool() -> None:
+    """max_batch, the level search, the planner's menus and the derivation read bytes off the
+    same lines (``measure._extrapolate.Lines``): the rise times the distance, then divided by
+    the step, so a value the lines put on a whole byte is that byte (a slope first would give
+    63.00000000000001 here, and the menus truncate)."""
+    from vision_ckpt.measure._extrapolate import Lines, predict_from_timelines
+
+    line = Lines.through_peaks((3, 100), (6, 107))
+    assert line.at(33) == 170.0 and line.largest_within(170.0, 1000) == 33
+    lines = Lines.through((3, [100, 500]), (6, [107, 520]))
+    assert lines is not None and lines.at(33) == 700.0 and lines.at(6) == 520.0
+    assert lines.largest_within(700.0, 1000) == 33 and lines.largest_within(699.9, 1000) == 32
+    assert Lines.through((2, [1, 2]), (3, [1])) is None  # different operators
+    # when the timelines differ, the line through the peaks
+    assert predict_from_timelines([(3, [1, 500]), (6, [520])], [(3, 500), (6, 520)], 33) == 700

@@ -53,6 +53,7 @@ LAYERS: list[set[str]] = [
     {"regions.apply"},
     {"regions"},
     {"measure._memory", "measure.models"},
+    {"measure._record"},
     {"measure._measure"},
     {"measure._extrapolate", "measure._price", "measure.peak"},
     {"measure"},

@@ -22,6 +22,7 @@ from _models import TinyViT
 import vision_ckpt
 from vision_ckpt import CheckpointConfig, ConfigError
 from vision_ckpt.cli.main import main
+from vision_ckpt.measure import Measurement
 from vision_ckpt.measure._memory import track_peak_memory
 from vision_ckpt.tune._optimise import (
     Block,
@@ -40,9 +41,10 @@ def _per_block(result):
     if result.uniform_level is None:
         return result
     level = result.uniform[result.uniform_level]
-    assert level["fits"] and result.config.training_checkpoint_level == result.uniform_level
+    assert level.seconds is not None  # it fits, so it was timed
+    assert result.config.training_checkpoint_level == result.uniform_level
     if result.per_block is not None:
-        assert level["time"] < result.per_block.step_time
+        assert level.seconds < result.per_block.measurement.seconds
     return result.per_block
 
 
@@ -459,14 +461,13 @@ def _check_never_slower(model, x, budget, batch_size, config=None):
     result = plan_for_budget(model, x, budget, batch_size=batch_size, config=config)
     assert result.config is not None, result.explain()
     fastest = result.fastest_uniform()
-    assert fastest is not None and result.uniform[fastest]["fits"]
-    assert result.step_time <= result.uniform[fastest]["time"], result.uniform
+    assert fastest is not None and result.uniform[fastest].seconds is not None
+    assert result.measurement.seconds <= result.uniform[fastest].seconds, result.uniform
     if result.uniform_level is not None:
-        assert (
-            result.uniform_level == fastest and result.step_time == result.uniform[fastest]["time"]
-        )
-    for level, u in result.uniform.items():  # every level that fits was timed
-        assert (u["time"] is not None) == u["fits"] == (u["peak"] * 1.05 <= budget), level
+        assert result.uniform_level == fastest and result.measurement == result.uniform[fastest]
+    for level, u in result.uniform.items():  # every level that fits was timed, no other
+        assert (u.seconds is not None) == (u.peak * 1.05 <= budget), level
+        assert u.batch == batch_size and u.predicted and u.meter == "bytes"
     target = x.repeat(-(-batch_size // len(x)), 1, 1, 1)[:batch_size].clone()
     vision_ckpt.apply(model, result.config)
     try:
@@ -488,11 +489,13 @@ def test_a_faster_uniform_level_is_returned_with_the_plan_it_beat(monkeypatch) -
     model = _six_blocks()
     budget = _budget(model, 0.5)
     fake = {
-        level: {
-            "peak": budget // 2,
-            "fits": level >= 2,
-            "time": 1.0 + level / 10 if level >= 2 else None,
-        }
+        level: Measurement(
+            peak=budget // 2,
+            batch=8,
+            meter="bytes",
+            seconds=1.0 + level / 10 if level >= 2 else None,
+            predicted=True,
+        )
         for level in range(6)
     }
     monkeypatch.setattr(planner, "_uniform_levels", lambda *args: fake)
@@ -500,14 +503,15 @@ def test_a_faster_uniform_level_is_returned_with_the_plan_it_beat(monkeypatch) -
     result = plan_for_budget(model, _x(), budget, batch_size=8, config=CONFIG)
     assert result.uniform_level == 2 and result.config.training_checkpoint_level == 2
     assert result.config.rules == CONFIG.rules  # the user's config, at that level
-    assert result.step_time == 1.2 and result.per_block.step_time == 5.0
+    assert result.measurement.seconds == 1.2 and result.per_block.measurement.seconds == 5.0
     assert result.per_block.strategies and result.per_block.uniform_level is None
     assert result.explain().startswith("level 2 (uniform) fits and no per-block plan was faster")
     assert set(result.blocks) == set(vision_ckpt.plan(model, result.config).checkpointed)
     # a per-block plan as fast as the fastest level is kept (a tie goes to the plan)
     monkeypatch.setattr(planner, "step_seconds", lambda work, target: 1.2)
     result = plan_for_budget(model, _x(), budget, batch_size=8, config=CONFIG)
-    assert result.uniform_level is None and result.strategies and result.step_time == 1.2
+    assert result.uniform_level is None and result.strategies
+    assert result.measurement.seconds == 1.2
 
 
 @pytest.mark.slow
@@ -519,7 +523,7 @@ def test_never_slower_than_a_uniform_level_at_batch_32(name) -> None:
     model = timm.create_model(name, pretrained=False)
     x = torch.randn(4, 3, 224, 224)
     suggestion = vision_ckpt.tune.suggest_level(model, x, "1TiB", batch_size=32)
-    peaks = suggestion.predicted_peak
+    peaks = {level: m.peak for level, m in suggestion.predicted.items()}
     low, high = min(peaks.values()), peaks[0]
     for share in (0.2, 0.5, 0.8):
         _check_never_slower(model, x, int((low + share * (high - low)) * 1.05), 32)

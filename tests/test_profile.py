@@ -51,11 +51,12 @@ def test_profile_reports_every_level_with_falling_memory_and_rising_recompute() 
     l0, l3, l5 = result.levels
     assert l0.regions == 0 and l5.regions > l3.regions > 0
     assert l0.saved_bytes > l3.saved_bytes > l5.saved_bytes
-    assert l0.peak_bytes > l3.peak_bytes >= l5.peak_bytes
+    assert l0.measurement.peak > l3.measurement.peak >= l5.measurement.peak
+    assert all(e.measurement.batch == 2 and not e.measurement.predicted for e in result.levels)
     assert l0.activation_bytes > l5.activation_bytes
     assert l0.backward_flops < l3.backward_flops <= l5.backward_flops
     assert l0.time_ratio == pytest.approx(1.0) and l0.saving == pytest.approx(0.0)
-    assert all(e.step_time_s > 0 and e.activation_bytes > 0 for e in result.levels)
+    assert all(e.measurement.seconds > 0 and e.activation_bytes > 0 for e in result.levels)
     assert result.batch_size == 2 and result.input_shape == (2, 3, 64, 64)
 
 
@@ -64,8 +65,8 @@ def test_profile_memory_is_deterministic_across_runs() -> None:
     first = profile(model, x, levels=[0, 2, 5], steps=1, flops=False)
     second = profile(model, x, levels=[0, 2, 5], steps=1, flops=False)
     for a, b in zip(first.levels, second.levels, strict=True):
-        assert (a.peak_bytes, a.activation_bytes, a.saved_bytes) == (
-            b.peak_bytes,
+        assert (a.measurement.peak, a.activation_bytes, a.saved_bytes) == (
+            b.measurement.peak,
             b.activation_bytes,
             b.saved_bytes,
         )
@@ -88,8 +89,8 @@ def test_profile_skips_levels_over_the_memory_limit_instead_of_running_them() ->
     limit = (peak0 + peak5) // 2
     result = profile(model, x, levels=[0, 5], steps=1, flops=False, memory_limit=limit)
     assert result.level(0).skipped is not None and "exceeds memory_limit" in result.level(0).skipped
-    assert result.level(0).peak_bytes is None
-    assert result.level(5).skipped is None and result.level(5).peak_bytes == peak5
+    assert result.level(0).measurement is None
+    assert result.level(5).skipped is None and result.level(5).measurement.peak == peak5
 
 
 def test_profile_rejects_bad_arguments() -> None:
@@ -108,8 +109,10 @@ def test_predicted_peak_is_within_ten_percent_of_the_measured_peak(make) -> None
     model = make()
     example = _x(2)
     suggestion = suggest_level(model, example, "64GiB", batch_size=16, levels=[0, 3, 5])
-    for level, predicted in suggestion.predicted_peak.items():
-        measured = _measured_peak(model, batch_of(example, 16), level)
+    for level, at_16 in suggestion.predicted.items():
+        assert at_16.predicted and at_16.batch == 16 and at_16.meter == "bytes"
+        assert [m.batch for m in suggestion.measured[level]] == [2, 4, 8]
+        predicted, measured = at_16.peak, _measured_peak(model, batch_of(example, 16), level)
         assert abs(predicted - measured) <= 0.10 * measured, (level, predicted, measured)
 
 
@@ -123,8 +126,8 @@ def test_suggest_level_picks_the_lowest_level_whose_measured_peak_fits() -> None
     assert suggestion.fits and suggestion.level > 0
     assert _measured_peak(model, batch_of(example, 8), suggestion.level) <= budget
     assert all(
-        suggestion.predicted_peak[lv] * 1.05 > budget
-        for lv in suggestion.predicted_peak
+        suggestion.predicted[lv].peak * 1.05 > budget
+        for lv in suggestion.predicted
         if lv < suggestion.level
     )
 
@@ -133,7 +136,7 @@ def test_suggest_level_says_when_nothing_fits() -> None:
     suggestion = suggest_level(_mobilenet(), _x(2), "1MiB", batch_size=8, levels=[0, 5])
     assert not suggestion.fits and suggestion.level is None
     assert "no level fits" in suggestion.explain()
-    assert suggestion.smallest_peak == min(suggestion.predicted_peak.values())
+    assert suggestion.smallest_peak == min(m.peak for m in suggestion.predicted.values())
 
 
 def test_plan_for_budget_fits_between_uniform_levels_and_checkpoints_less() -> None:

@@ -91,6 +91,7 @@ def test_presets_are_listed_from_the_package() -> None:
     [
         "vision_ckpt.runtime._core",
         "vision_ckpt.measure._memory",
+        "vision_ckpt.measure._record",
         "vision_ckpt.regions.apply",
         "vision_ckpt.config.schema",
         "vision_ckpt.tune.fit",

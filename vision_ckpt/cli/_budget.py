@@ -78,11 +78,13 @@ def cmd_fit(args: argparse.Namespace) -> int:
     best = result.best_level()
     for row in result.rows:
         error = "-" if row.linear_error is None else f"{row.linear_error:.2%} off"
+        step = row.measurement
+        per_sample = step.seconds_per_sample if step is not None else None
         table.add_row(
             row.label + (" (best)" if row is best else ""),
             "-" if row.max_batch is None else str(row.max_batch),
-            fmt_bytes(row.predicted_peak),
-            "-" if row.time_per_sample_s is None else f"{row.time_per_sample_s * 1000:.1f} ms",
+            fmt_bytes(step.peak if step is not None else None),
+            "-" if per_sample is None else f"{per_sample * 1000:.1f} ms",
             ("yes, " if row.linear else "NO, ") + error,
             row.note,
         )

@@ -50,17 +50,18 @@ def _profile_table(result: Any) -> Any:
     table.add_column("frontier")
     frontier = result.frontier()
     for e in result.levels:
-        if e.skipped is not None:
-            row = [str(e.level), str(e.regions), e.skipped, "", "", "", "", ""]
+        step = e.measurement
+        if e.skipped is not None or step is None:
+            row = [str(e.level), str(e.regions), e.skipped or "", "", "", "", "", ""]
         else:
             row = [
                 str(e.level),
                 str(e.regions),
-                fmt_bytes(e.peak_bytes),
+                fmt_bytes(step.peak),
                 fmt_bytes(e.activation_bytes),
                 fmt_bytes(e.saved_bytes),
                 "-" if e.saving is None else f"{e.saving:.1%}",
-                "-" if e.step_time_s is None else f"{e.step_time_s * 1000:.0f} ms",
+                "-" if step.seconds is None else f"{step.seconds * 1000:.0f} ms",
                 "-" if e.time_ratio is None else f"{e.time_ratio:.2f}x",
             ]
         if has_cuda:
@@ -80,9 +81,9 @@ def _profile_table(result: Any) -> Any:
 def _floor_line(floor: Any, result: Any) -> str:
     """The floor, and each measured level's peak as a multiple of it."""
     above = ", ".join(
-        f"L{e.level} {e.peak_bytes / floor.floor_bytes:.2f}x"
+        f"L{e.level} {e.measurement.peak / floor.floor_bytes:.2f}x"
         for e in result.levels
-        if e.skipped is None and e.peak_bytes
+        if e.skipped is None and e.measurement is not None and e.measurement.peak
     )
     return (
         f"physical floor {fmt_bytes(floor.floor_bytes)} (no region plan peaks lower: "
@@ -97,10 +98,10 @@ def _plot(result: Any, path: str, planned: list[dict[str, Any]] | None = None) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [e for e in result.levels if e.skipped is None]
+    points = [e for e in result.levels if e.skipped is None and e.measurement is not None]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     xs = [e.time_ratio or 1.0 for e in points]
-    ys = [(e.peak_bytes or 0) / 2**20 for e in points]
+    ys = [e.measurement.peak / 2**20 for e in points]
     ax.plot(xs, ys, marker="o")
     for i, (e, x, y) in enumerate(zip(points, xs, ys, strict=True)):
         # Alternate above/below: levels with the same peak would otherwise print over each other.
@@ -249,9 +250,9 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     table.add_column("level", justify="right")
     table.add_column("predicted peak", justify="right")
     table.add_column("fits", justify="center")
-    for level, peak in suggestion.predicted_peak.items():
-        fits = peak * (1 + suggestion.margin) <= suggestion.budget_bytes
-        table.add_row(str(level), fmt_bytes(peak), "yes" if fits else "no")
+    for level, predicted in suggestion.predicted.items():
+        fits = predicted.peak * (1 + suggestion.margin) <= suggestion.budget_bytes
+        table.add_row(str(level), fmt_bytes(predicted.peak), "yes" if fits else "no")
     console.print(table)
     console.print(suggestion.explain())
     report: dict[str, Any] = {"uniform": {"level": suggestion.level, "meter": suggestion.meter}}
@@ -291,8 +292,8 @@ def _plan_table(result: Any, batch_size: int) -> Any:
         level = result.uniform[fastest]
         plan_table.add_row(
             f"level {fastest} (fastest uniform level that fits)",
-            fmt_bytes(level["peak"]),
-            fmt_seconds(level["time"]),
+            fmt_bytes(level.peak),
+            fmt_seconds(level.seconds),
             "every block of the level",
             "yes" if result.uniform_level == fastest else "",
         )
@@ -302,8 +303,8 @@ def _plan_table(result: Any, batch_size: int) -> Any:
             counts[strategy] = counts.get(strategy, 0) + 1
         plan_table.add_row(
             "per-block plan",
-            fmt_bytes(per_block.predicted_peak),
-            fmt_seconds(per_block.step_time),
+            fmt_bytes(per_block.measurement.peak),
+            fmt_seconds(per_block.measurement.seconds),
             ", ".join(f"{n} {s}" for s, n in counts.items()),
             "yes" if result.uniform_level is None else "",
         )
@@ -322,14 +323,16 @@ def _plan_report(result: Any) -> dict[str, Any]:
     report: dict[str, Any] = {
         "uniform": {
             "fastest_level": result.fastest_uniform(),
-            "levels": {str(k): v for k, v in result.uniform.items()},
+            "levels": {
+                str(k): {**dataclasses.asdict(v), "fits": v.seconds is not None}
+                for k, v in result.uniform.items()
+            },
         },
         "plan": {
             "fits": result.config is not None,
             "uniform_level": result.uniform_level,
-            "predicted_peak": result.predicted_peak,
+            "measurement": dataclasses.asdict(result.measurement),
             "predicted_time_s": result.predicted_time,
-            "step_time_s": result.step_time,
             "base_time_s": result.base_time,
             "strategies": result.strategies,
             "seconds": result.seconds,
@@ -338,8 +341,7 @@ def _plan_report(result: Any) -> dict[str, Any]:
     }
     if per_block is not None and per_block is not result:
         report["plan"]["per_block"] = {
-            "predicted_peak": per_block.predicted_peak,
-            "step_time_s": per_block.step_time,
+            "measurement": dataclasses.asdict(per_block.measurement),
             "strategies": per_block.strategies,
         }
     return report

@@ -1,10 +1,12 @@
 """Measurement: what a training step costs, counted and modelled.
 
-Owns the byte meters (``_memory``: saved bytes, live-storage peaks), one measured training step
-(``_measure``), the prediction of a larger batch's peak (``_extrapolate``), the modelled price
-of operators (``_price``), where a step peaks and its physical floor (``peak``), and the
-models, inputs and losses a step runs on (``models``). It imports the runtime and the regions,
-never the tuning layer above it. Its public names are the meters and the model specs.
+Owns the byte meters (``_memory``: saved bytes, live-storage peaks), the one record of what a
+step costs (``_record``: :class:`Measurement`, which every tool reports its peaks and times in),
+one measured training step (``_measure``), the prediction of a larger batch's peak, the one
+extrapolator (``_extrapolate``), the modelled price of operators (``_price``), where a step
+peaks and its physical floor (``peak``), and the models, inputs and losses a step runs on
+(``models``). It imports the runtime and the regions, never the tuning layer above it. Its
+public names are the meters, the record and the model specs.
 """
 
 from ._memory import (
@@ -14,6 +16,7 @@ from ._memory import (
     format_bytes as format_bytes,
     track_peak_memory as track_peak_memory,
 )
+from ._record import Measurement as Measurement
 from .models import ModelSpecError as ModelSpecError, build_model as build_model
 from .peak import (
     PeakReport as PeakReport,
@@ -27,6 +30,7 @@ __all__ = [
     "format_bytes",
     "SavedBytes",
     "PeakMemory",
+    "Measurement",
     "where_peak",
     "physical_floor",
     "PeakReport",

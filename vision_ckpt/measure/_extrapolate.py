@@ -6,24 +6,23 @@ of the largest level ] in ``vision_ckpt.tune.profile`` for why the target batch 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from ._measure import StepMemory, Workload, measure_memory
 
 __all__ = [
+    "MEASURED_UP_TO",
+    "Lines",
     "small_batches",
     "extrapolated_peak",
     "predict_peak",
     "peak_measurer",
     "predict_from_timelines",
 ]
-
-
-def _affine(points: Sequence[tuple[int, int]], batch: int) -> int:
-    """Extrapolate peak(batch) along the line through the last two (batch, peak) points."""
-    (b1, p1), (b2, p2) = points[-2], points[-1]
-    slope = (p2 - p1) / (b2 - b1)
-    return int(round(p2 + slope * (batch - b2)))
 
 
 # NOTE [ Predicting the peak of a larger batch ]
@@ -41,21 +40,89 @@ def _affine(points: Sequence[tuple[int, int]], batch: int) -> int:
 # same rule predicts the allocator's peak (NOTE [ Two meters ] in ``_measure``).
 
 
+@dataclass(frozen=True)
+class Lines:
+    """Bytes as lines in the batch: one per operator of a step (or one, through its peaks),
+    drawn through two measured batches; the step's peak at a batch is the largest of them (NOTE
+    [ Predicting the peak of a larger batch ]). The package's one extrapolator of bytes: the
+    level search, the planner, the derivation and :func:`vision_ckpt.tune.max_batch` all read
+    it.
+
+    >>> lines = Lines.through((2, [10, 30]), (4, [20, 32]))
+    >>> lines.at(8), lines.largest_within(50.0, 100)
+    (40.0, 10)
+    """
+
+    batch: int
+    """The later of the two batches the lines go through."""
+    values: np.ndarray
+    """Each line's value at ``batch`` (float64)."""
+    rises: np.ndarray
+    """Each line's rise from the earlier batch to ``batch`` (float64)."""
+    step: int
+    """``batch`` minus the earlier batch."""
+
+    @classmethod
+    def through(
+        cls, first: tuple[int, Sequence[float]], second: tuple[int, Sequence[float]]
+    ) -> Lines | None:
+        """The lines through two ``(batch, values)``, value by value; ``None`` when the two hold
+        different numbers of values (the runs did not execute the same operators) or none."""
+        (b1, v1), (b2, v2) = first, second
+        if not len(v1) or len(v1) != len(v2):
+            return None
+        y1, y2 = np.asarray(v1, dtype=np.float64), np.asarray(v2, dtype=np.float64)
+        return cls(b2, y2, y2 - y1, b2 - b1)
+
+    @classmethod
+    def through_peaks(cls, first: tuple[int, float], second: tuple[int, float]) -> Lines:
+        """The one line through two ``(batch, peak)``."""
+        (b1, p1), (b2, p2) = first, second
+        y1, y2 = np.array([p1], dtype=np.float64), np.array([p2], dtype=np.float64)
+        return cls(b2, y2, y2 - y1, b2 - b1)
+
+    def at(self, batch: int) -> float:
+        """The largest line's value at ``batch``."""
+        # The rise is multiplied by the distance before it is divided by the step: for whole
+        # bytes the product is exact, so a value the lines put on a whole byte is that byte
+        # (the menus truncate it). With a step of 1 (max_batch's default batches) or any
+        # power of two, every order of these operations gives the same float.
+        return float(np.max(self.values + self.rises * (batch - self.batch) / self.step))
+
+    def largest_within(self, goal: float, cap: int) -> int:
+        """The largest batch in ``[0, cap]`` whose value is within ``goal``: the closed form
+        ``min over rising lines of (goal - value) / slope`` (NOTE [ The largest batch from a few
+        small ones ] in ``vision_ckpt.tune.fit``), then stepped down past float slack or a
+        falling line over the goal."""
+        slope = self.rises / self.step
+        rising = slope > 0
+        top = cap
+        if rising.any():
+            bound = self.batch + (goal - self.values[rising]) / slope[rising]
+            top = min(cap, int(math.floor(float(bound.min()) + 1e-9)))
+        while top >= 1 and self.at(top) > goal:
+            top = top - 1 if self.at(top - 1) <= goal else 0
+        return max(0, top)
+
+
 def predict_from_timelines(
     lines: Sequence[tuple[int, Sequence[int]]], points: Sequence[tuple[int, int]], batch: int
 ) -> int:
     """The largest of the per-operator lines through the last two ``(batch, timeline)`` of
-    ``lines`` at ``batch``; the line through the last two ``(batch, peak)`` of ``points`` when
-    the two timelines differ in length (NOTE [ Predicting the peak of a larger batch ]).
+    ``lines`` at ``batch``, to the nearest byte; the line through the last two ``(batch,
+    peak)`` of ``points`` when the two timelines differ in length (NOTE [ Predicting the peak
+    of a larger batch ]).
 
     >>> predict_from_timelines([(2, [10, 30]), (4, [20, 32])], [(2, 30), (4, 32)], 8)
     40
     """
-    (b1, t1), (b2, t2) = lines[-2], lines[-1]
-    if not t1 or len(t1) != len(t2):
-        return _affine(points, batch)
-    scale = (batch - b2) / (b2 - b1)
-    return int(round(max(y2 + (y2 - y1) * scale for y1, y2 in zip(t1, t2, strict=True))))
+    found = Lines.through(lines[-2], lines[-1]) or Lines.through_peaks(points[-2], points[-1])
+    return int(round(found.at(batch)))
+
+
+MEASURED_UP_TO = 4
+"""A target batch up to this one is measured itself, not extrapolated
+(:func:`extrapolated_peak`)."""
 
 
 def small_batches(target: int) -> tuple[int, int]:
@@ -78,12 +145,12 @@ def extrapolated_peak(
 
     ``measure(batch, timeline)`` runs one step at that batch, appends the live bytes after each
     operator to ``timeline`` and returns the peak. Batches at or above ``target`` are never run
-    unless ``target`` itself is tiny (<= 4), when it is simply measured.
+    unless ``target`` itself is tiny (up to :data:`MEASURED_UP_TO`), when it is simply measured.
 
     Returns:
         The predicted peak, and the (batch, measured peak) points it was predicted from.
     """
-    if target <= 4:
+    if target <= MEASURED_UP_TO:
         peak = measure(target, [])
         return peak, [(target, peak)]
     lines: list[tuple[int, list[int]]] = []

@@ -31,6 +31,7 @@ from ..errors import VisionCkptError
 from ..regions._install import installed, reinstall
 from ..regions.apply import ConfigLike, apply as _apply_config, as_config
 from ._memory import count_saved_bytes, format_bytes, track_peak_memory
+from ._record import Measurement
 
 __all__ = [
     "LossFn",
@@ -149,6 +150,16 @@ class StepMemory(NamedTuple):
         (NOTE [ Two meters ])."""
         return self.peak if self.allocated is None else self.allocated
 
+    def measurement(self, batch: int, seconds: float | None = None) -> Measurement:
+        """The deciding figure as the :class:`Measurement` of this step, run at ``batch``
+        (and timed at ``seconds``).
+
+        >>> StepMemory(100, 60, 40).measurement(2)
+        Measurement(peak=100, batch=2, meter='bytes', seconds=None, predicted=False)
+        """
+        meter = "bytes" if self.allocated is None else "cuda allocator"
+        return Measurement(peak=self.deciding, batch=batch, meter=meter, seconds=seconds)
+
 
 @dataclass(frozen=True)
 class FitCheck:
@@ -158,35 +169,37 @@ class FitCheck:
     """The batch the step ran (the target batch of the plan)."""
     budget_bytes: int
     """The budget it is checked against."""
-    allocated_bytes: int | None
-    """``torch.cuda.max_memory_allocated`` of the step; ``None`` when it ran out of memory."""
+    measurement: Measurement | None
+    """The step's allocated peak (``torch.cuda.max_memory_allocated``, meter ``cuda
+    allocator``) at ``batch_size``; ``None`` when it ran out of memory."""
     reserved_bytes: int | None
     """``torch.cuda.max_memory_reserved`` of the step (reported; the budget is decided on
-    ``allocated_bytes``); ``None`` when it ran out of memory."""
+    the measurement's peak); ``None`` when it ran out of memory."""
 
     @property
     def out_of_memory(self) -> bool:
-        return self.allocated_bytes is None
+        return self.measurement is None
 
     @property
     def fits(self) -> bool:
         """Whether the step ran and its allocated peak is within the budget."""
-        return self.allocated_bytes is not None and self.allocated_bytes <= self.budget_bytes
+        return self.measurement is not None and self.measurement.peak <= self.budget_bytes
 
     def explain(self) -> str:
         """One line: what the real step at the target batch took.
 
-        >>> FitCheck(64, 2**30, 3 * 2**28, 2**30 + 2**20).explain()
+        >>> step = Measurement(peak=3 * 2**28, batch=64, meter="cuda allocator")
+        >>> FitCheck(64, 2**30, step, 2**30 + 2**20).explain()
         'real step at batch 64: allocated 768.00 MiB, reserved 1.00 GiB of 1.00 GiB budget: fits'
         """
-        if self.allocated_bytes is None:
+        if self.measurement is None:
             return (
                 f"real step at batch {self.batch_size}: out of memory "
                 f"(budget {format_bytes(self.budget_bytes)})"
             )
         return (
             f"real step at batch {self.batch_size}: allocated "
-            f"{format_bytes(self.allocated_bytes)}, reserved "
+            f"{format_bytes(self.measurement.peak)}, reserved "
             f"{format_bytes(self.reserved_bytes or 0)} of {format_bytes(self.budget_bytes)} "
             f"budget: {'fits' if self.fits else 'does not fit'}"
         )
@@ -336,7 +349,8 @@ class _AllocatorMeter:
             del x
             torch.cuda.empty_cache()
             return FitCheck(batch, budget, None, None)
-        return FitCheck(batch, budget, allocated, reserved)
+        step = Measurement(peak=allocated, batch=batch, meter=self.name)
+        return FitCheck(batch, budget, step, reserved)
 
 
 def _uses_allocator(device: torch.device) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 from ..config.schema import CheckpointConfig
 from ..measure._measure import FitCheck
 from ..measure._memory import format_bytes
+from ..measure._record import Measurement
 
 __all__ = ["STRATEGIES", "PLANNER_MENU", "BudgetPlan", "fastest_fitting_level"]
 
@@ -43,8 +44,12 @@ class BudgetPlan:
     """Qualified names of the blocks that are checkpointed (any strategy but ``keep``)."""
     budget_bytes: int
     batch_size: int
-    predicted_peak: int
-    """Peak at ``batch_size`` extrapolated from small-batch measurements of the final plan."""
+    measurement: Measurement
+    """The returned config's step at ``batch_size``, predicted: its peak extrapolated from
+    small-batch measurements, by the device's meter, and its step time measured at the small
+    batches and extrapolated the way each uniform level's is (the figure the two are compared
+    on, NOTE [ Never slower than a uniform level ] in ``_planner``). When nothing fits: the
+    smallest peak predicted for any plan or level, untimed."""
     candidates: list[dict[str, Any]]
     """Every candidate block with its menu: per strategy, kept bytes, transient bytes and
     seconds, at ``batch_size``."""
@@ -56,8 +61,9 @@ class BudgetPlan:
     """Every stage on the menu: its blocks, and kept and transient bytes and seconds at
     ``batch_size`` as one selective region (the ``stage`` strategy)."""
     predicted_time: float | None = None
-    """Predicted seconds per step at ``batch_size``: the plain step's time (extrapolated from
-    the small batches) plus the chosen strategies' extra work."""
+    """The program's seconds per step at ``batch_size``: the plain step's time (extrapolated
+    from the small batches) plus the chosen strategies' extra work as the menus price it
+    (for a uniform level returned instead, its step time)."""
     base_time: float | None = None
     """Predicted seconds per step at ``batch_size`` with no checkpointing."""
     base_bytes: int = 0
@@ -68,16 +74,14 @@ class BudgetPlan:
     """Wall time the planning took, ``measure_seconds`` + the check."""
     measure_seconds: float = 0.0
     """Of which: pricing the blocks' menus and level 0's peak (the rest measured the answers)."""
-    uniform: dict[int, dict[str, Any]] = field(default_factory=dict)
-    """Per uniform training level: ``peak`` (predicted at ``batch_size``), ``fits`` and, for one
-    that fits, ``time``: its step time measured at the small batches and extrapolated, the way
-    ``step_time`` is (NOTE [ Never slower than a uniform level ] in ``_planner``)."""
+    uniform: dict[int, Measurement] = field(default_factory=dict)
+    """Per uniform training level, its step at ``batch_size``, predicted: the peak and, for a
+    level that fits the budget with the margin, the step time measured at the small batches and
+    extrapolated, the way ``measurement``'s is; a level that does not fit is not timed
+    (``seconds`` is ``None``)."""
     uniform_level: int | None = None
     """The uniform level returned instead of a per-block plan (it fits and no per-block plan was
     faster); ``None`` when ``config`` is a per-block plan (or nothing fits)."""
-    step_time: float | None = None
-    """The returned config's step time at ``batch_size``, measured and extrapolated like each
-    uniform level's ``time``: the figure the two are compared on."""
     per_block: BudgetPlan | None = None
     """When ``uniform_level`` is returned: the per-block plan it beat (``None`` if none fit)."""
     check: FitCheck | None = None
@@ -93,13 +97,13 @@ class BudgetPlan:
         if self.uniform_level is not None:
             return (
                 f"level {self.uniform_level} (uniform) fits and no per-block plan was faster: "
-                f"predicted peak {format_bytes(self.predicted_peak)} at batch {self.batch_size} "
+                f"predicted peak {format_bytes(self.measurement.peak)} at batch {self.batch_size} "
                 f"(budget {format_bytes(self.budget_bytes)})"
             )
         if self.config is None:
             return (
                 f"no plan fits {format_bytes(self.budget_bytes)} at batch {self.batch_size}: "
-                f"the smallest predicted peak is {format_bytes(self.predicted_peak)}"
+                f"the smallest predicted peak is {format_bytes(self.measurement.peak)}"
             )
         counts: dict[str, int] = defaultdict(int)
         for strategy in self.strategies.values():
@@ -117,13 +121,19 @@ class BudgetPlan:
             else ""
         )
         return (
-            f"plan fits: predicted peak {format_bytes(self.predicted_peak)} at batch "
+            f"plan fits: predicted peak {format_bytes(self.measurement.peak)} at batch "
             f"{self.batch_size} (budget {format_bytes(self.budget_bytes)}{slower}); blocks: {mix}"
         )
 
 
-def fastest_fitting_level(uniform: dict[int, dict[str, Any]]) -> int | None:
-    """The fitting level of ``uniform`` (as ``_planner``'s ``_uniform_levels`` gives it) with
-    the shortest step time, the lower level on a tie; ``None`` when none fits."""
-    fitting = [lv for lv, u in uniform.items() if u["fits"] and u["time"] is not None]
-    return min(fitting, key=lambda lv: (uniform[lv]["time"], lv), default=None)
+def fastest_fitting_level(uniform: dict[int, Measurement]) -> int | None:
+    """The fitting level of ``uniform`` (as ``_planner``'s ``_uniform_levels`` gives it: a
+    level is timed when it fits) with the shortest step time, the lower level on a tie;
+    ``None`` when none fits.
+
+    >>> step = lambda s: Measurement(peak=10, batch=8, meter="bytes", seconds=s, predicted=True)
+    >>> fastest_fitting_level({0: step(None), 3: step(1.5), 5: step(1.5)})
+    3
+    """
+    timed = {lv: u.seconds for lv, u in uniform.items() if u.seconds is not None}
+    return min(timed, key=lambda lv: (timed[lv], lv), default=None)

@@ -15,6 +15,7 @@ import yaml
 from ..config.levels import Level
 from ..config.schema import CheckpointConfig, LevelRule
 from ..measure._memory import format_bytes
+from ..measure._record import Measurement
 
 __all__ = ["DerivedLevel", "DerivedPreset"]
 
@@ -31,6 +32,14 @@ class DerivedLevel:
     ``stage`` (its stage one selective region), ``stage_below`` (that, redoing its cheap products),
     ``held`` (its stage one region recomputed whole) or ``held_nested`` (that, and the unit
     recomputed whole again inside it): NOTE [ A stage recomputed whole ] in ``_level_search``."""
+    measurement: Measurement
+    """The step at the target batch as the preset writes this level: its peak extrapolated
+    from measured small batches, by the device's meter; untimed (the derivation prices, it
+    does not time)."""
+    modelled: Measurement
+    """The same step in the program's terms (meter ``modelled``): the peak its menus sum to and
+    its modelled seconds per step (the menus' prices, NOTE [ A modelled price ] in
+    ``_price``)."""
     lean: tuple[str, ...] = ()
     """MLPs run with the lean backward at this level."""
     runs: tuple[str, ...] = ()
@@ -40,13 +49,6 @@ class DerivedLevel:
     """Stages recomputed whole at this level, their blocks checkpointed again inside."""
     fallback: bool = False
     """Whether the structural fallback's regions are added at this level (all nested)."""
-    predicted_peak: int = 0
-    """The program's peak at the target batch (bytes)."""
-    predicted_time: float = 0.0
-    """The program's modelled seconds per step at the target batch (the menus' prices, NOTE [ A
-    modelled price ] in ``_price``)."""
-    peak: int = 0
-    """The step peak at the target batch, extrapolated from measured small batches."""
     same_as: int | None = None
     """The level below whose plan this level runs, when its own lowered the peak too little."""
 
@@ -81,10 +83,13 @@ class DerivedPreset:
     """The preset's rules, in the bundled presets' vocabulary."""
     levels: list[DerivedLevel]
     """Levels 1-5."""
-    peak0: int
-    """Level 0's step peak at the batch (extrapolated from the small batches)."""
-    base_time: float
-    """Modelled seconds per step with no checkpointing at the batch (extrapolated)."""
+    plain: Measurement
+    """Level 0 (nothing checkpointed) at the batch: its step peak extrapolated from the small
+    batches, by the device's meter; untimed."""
+    plain_modelled: Measurement
+    """Level 0 in the program's terms: the same peak, and the modelled seconds per step with no
+    checkpointing (extrapolated from the small batches), which the levels' times are read
+    against."""
     floor: int | None = None
     """The physical floor at the batch (``vision_ckpt.measure.peak``), extrapolated from the small
     batches; ``None`` if not measured."""
@@ -134,8 +139,8 @@ class DerivedPreset:
                 + (
                     f"= level {lv.same_as}"
                     if lv.same_as is not None
-                    else f"peak {format_bytes(lv.peak)}, predicted "
-                    f"{lv.predicted_time / self.base_time:.2f}x time (modelled)"
+                    else f"peak {format_bytes(lv.measurement.peak)}, predicted "
+                    f"{_time_ratio(lv, self.plain_modelled) or 0.0:.2f}x time (modelled)"
                 )
                 + "\n"
                 for lv in self.levels
@@ -147,7 +152,7 @@ class DerivedPreset:
     def table(self) -> list[dict[str, Any]]:
         """One row per level (0-5): peak, predicted time, distance to the floor, the bundled
         preset's peak where compared."""
-        rows = [{"level": 0, "peak": self.peak0, "time": 1.0, "plan": "nothing checkpointed"}]
+        rows = [{"level": 0, "peak": self.plain.peak, "time": 1.0, "plan": "nothing checkpointed"}]
         for lv in self.levels:
             plan = (
                 f"= level {lv.same_as}"
@@ -161,8 +166,8 @@ class DerivedPreset:
             rows.append(
                 {
                     "level": lv.level,
-                    "peak": lv.peak,
-                    "time": lv.predicted_time / self.base_time if self.base_time else None,
+                    "peak": lv.measurement.peak,
+                    "time": _time_ratio(lv, self.plain_modelled),
                     "plan": plan,
                 }
             )
@@ -190,3 +195,10 @@ class DerivedPreset:
                 text += f", bundled {self.bundled}: {format_bytes(row['bundled'])}"
             lines.append(text + f"; {row['plan']}")
         return "\n".join(lines)
+
+
+def _time_ratio(level: DerivedLevel, plain: Measurement) -> float | None:
+    """A level's modelled step time over level 0's (``None`` when level 0's is zero)."""
+    if not plain.seconds or level.modelled.seconds is None:
+        return None
+    return level.modelled.seconds / plain.seconds

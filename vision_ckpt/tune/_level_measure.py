@@ -19,8 +19,9 @@ from torch import nn
 from ..config.matching import exact_name_pattern
 from ..config.schema import CheckpointConfig, LevelRule
 from ..errors import ConfigError, internal_assert
-from ..measure._extrapolate import extrapolated_peak, peak_measurer
-from ..measure._measure import Workload, applied
+from ..measure._extrapolate import MEASURED_UP_TO, extrapolated_peak, peak_measurer
+from ..measure._measure import Workload, applied, meter_for
+from ..measure._record import Measurement
 from ..runtime.wrapper import training_level
 from ._candidates import STAGE_LEVEL, CandidateRegions, is_inside, span_rule
 from ._derived import DerivedLevel
@@ -46,7 +47,21 @@ from ._menus import Menus
 from ._optimise import Choice, Option
 from ._spans import Span
 
-__all__ = ["measured_peak", "measured_levels"]
+__all__ = ["measured_peak", "measured_levels", "plain_steps"]
+
+
+def plain_steps(work: Workload, menus: Menus, target: int) -> tuple[Measurement, Measurement]:
+    """Level 0 at ``target``: its step peak as measured for the menus (extrapolated from the
+    small batches, by the device's meter), and the same in the program's terms, with the
+    modelled seconds of a step that checkpoints nothing."""
+    meter = meter_for(work.device).name
+    measured = Measurement(
+        peak=menus.peak0, batch=target, meter=meter, predicted=target > MEASURED_UP_TO
+    )
+    modelled = Measurement(
+        peak=menus.peak0, batch=target, meter="modelled", seconds=menus.base_time, predicted=True
+    )
+    return measured, modelled
 
 
 def measured_peak(work: Workload, config: CheckpointConfig, level: int, target: int) -> int:
@@ -187,17 +202,22 @@ def _account(
         lv.runs = tuple(r.label for r, k in found.kept_runs() if lv.level >= k)
         if found.groups is not None and lv.level >= found.groups:
             grouped = [m for g in found.stacks for m in g.members]
-            lv.predicted_time += _forward_seconds(menus, grouped)
+            _add_seconds(lv, _forward_seconds(menus, grouped))
         if found.whole is not None and lv.level >= found.whole:
             lv.whole = tuple(s.name for s in regions.stages)
             inside = [n for n in every if any(is_inside(n, s) for s in lv.whole)]
-            lv.predicted_time += _forward_seconds(menus, inside)
+            _add_seconds(lv, _forward_seconds(menus, inside))
         if found.fallback is not None and lv.level >= found.fallback:
             lv.fallback = True
-            lv.predicted_time += _forward_seconds(menus, every)
+            _add_seconds(lv, _forward_seconds(menus, every))
     for lv in levels:  # a marked level shows the figures of the level whose plan it runs
         if lv.same_as:
-            lv.predicted_time = levels[lv.same_as - 1].predicted_time
+            lv.modelled = replace(lv.modelled, seconds=levels[lv.same_as - 1].modelled.seconds)
+
+
+def _add_seconds(level: DerivedLevel, seconds: float) -> None:
+    """Add the seconds of forwards the program did not price to a level's modelled time."""
+    level.modelled = replace(level.modelled, seconds=(level.modelled.seconds or 0.0) + seconds)
 
 
 def measured_levels(
@@ -225,13 +245,19 @@ def measured_levels(
     plans = level_plans(menus, measure_with(lean), lowest, _anchors(work, regions, target))
     plans = unnested(menus, alone, plans, measure_with(lean))
     per_level = [strategies for strategies, _, _ in plans]
+    plain, plain_modelled = plain_steps(work, menus, target)
     levels = [
         DerivedLevel(
             level=k,
             strategies=strategies,
-            predicted_peak=choice.peak,
-            predicted_time=menus.base_time + choice.time,
-            peak=peak,
+            measurement=replace(plain, peak=peak),
+            modelled=Measurement(
+                peak=choice.peak,
+                batch=target,
+                meter="modelled",
+                seconds=menus.base_time + choice.time,
+                predicted=True,
+            ),
         )
         for k, (strategies, choice, peak) in enumerate(plans, start=1)
     ]
@@ -239,7 +265,7 @@ def measured_levels(
     if found.lean is not None:
         for lv in levels[found.lean - 1 :]:
             lv.lean = tuple(s.name for s in regions.lean)
-    _mark_steps(levels, menus.peak0, menus.base_time)
+    _mark_steps(levels, plain, plain_modelled)
     _account(levels, found, regions, menus)
     per_level = [lv.strategies for lv in levels]
     rules = found.rules(work.model, regions, menus, per_level)
@@ -352,27 +378,30 @@ def _from_top(
             peak = measured_peak(work, config_from(k), k, target)
         except ConfigError:  # the addition does not combine with this level's regions (a
             break  # ModuleList group over a layer whose own region starts at the same level)
-        if peak > levels[k - 1].peak * (1 - gain):
+        measured = levels[k - 1].measurement
+        if peak > measured.peak * (1 - gain):
             break
-        levels[k - 1].peak = peak
+        levels[k - 1].measurement = replace(measured, peak=peak)
         start = k
     return start
 
 
-def _mark_steps(levels: list[DerivedLevel], peak0: int, base_time: float) -> None:
+def _mark_steps(
+    levels: list[DerivedLevel], plain: Measurement, plain_modelled: Measurement
+) -> None:
     """Mark each level that lowers the measured peak by less than STEP from the level below
-    as running that level's plan (level 0: nothing checkpointed), with its figures."""
+    as running that level's plan (level 0: nothing checkpointed, ``plain``), with its
+    figures."""
     below: DerivedLevel | None = None
     for lv in levels:
-        below_peak = below.peak if below is not None else peak0
-        if lv.peak <= below_peak * (1 - STEP):
+        below_step = below.measurement if below is not None else plain
+        if lv.measurement.peak <= below_step.peak * (1 - STEP):
             below = lv
             continue
         lv.same_as = below.level if below is not None else 0
-        lv.peak = below_peak
+        lv.measurement = below_step
         lv.strategies = dict(below.strategies) if below is not None else {}
         lv.lean = below.lean if below is not None else ()
         lv.whole = below.whole if below is not None else ()
         lv.fallback = below.fallback if below is not None else False
-        lv.predicted_peak = below.predicted_peak if below is not None else peak0
-        lv.predicted_time = below.predicted_time if below is not None else base_time
+        lv.modelled = below.modelled if below is not None else plain_modelled

@@ -23,7 +23,7 @@ from .._compat import TorchDispatchMode
 from ..config.matching import exact_name_pattern
 from ..config.schema import CheckpointConfig, LevelRule
 from ..errors import ConfigError
-from ..measure._extrapolate import extrapolated_peak, peak_measurer, small_batches
+from ..measure._extrapolate import Lines, extrapolated_peak, peak_measurer, small_batches
 from ..measure._measure import Workload, applied, step_time as measure_step_time
 from ..measure._memory import count_saved_bytes
 from ..measure._price import cheap_product_flops, modelled_step_seconds, op_seconds
@@ -227,8 +227,7 @@ def _timed_forward(
 
 def _line(points: Sequence[tuple[int, float]], target: int) -> float:
     """Bytes at ``target`` along the line through two (batch, bytes) points."""
-    (b1, v1), (b2, v2) = points
-    return v2 + (v2 - v1) * (target - b2) / (b2 - b1)
+    return Lines.through_peaks(points[0], points[1]).at(target)
 
 
 def proportional(points: Sequence[tuple[int, float]], target: int) -> float:

@@ -34,10 +34,12 @@ from ..measure._measure import (
     confirm_fits,
     default_loss,
     following_global,
+    meter_for,
     model_restored,
     run_step,
     step_time as measure_step_time,
 )
+from ..measure._record import Measurement
 from ..runtime.wrapper import training_level
 from ._budget_plan import PLANNER_MENU, STRATEGIES, BudgetPlan, fastest_fitting_level
 from ._menus import Menus, measure_menus, proportional
@@ -116,17 +118,19 @@ def _uniform_levels(
     limit: int,
     floor: float,
     peak0: int,
-) -> dict[int, dict[str, Any]]:
-    """Per uniform level: predicted peak, whether it fits ``goal``, and its step time if so.
-    ``floor`` and ``peak0`` are the plain step's time and peak, already measured for the menus:
-    a level that checkpoints nothing takes them instead of measuring that step again."""
-    out: dict[int, dict[str, Any]] = {}
+) -> dict[int, Measurement]:
+    """Per uniform level, its step at ``target``: the predicted peak and, if that fits
+    ``goal``, the step time (a level that does not fit is not timed). ``floor`` and ``peak0``
+    are the plain step's time and peak, already measured for the menus: a level that
+    checkpoints nothing takes them instead of measuring that step again."""
+    meter = meter_for(work.device).name
+    out: dict[int, Measurement] = {}
     seen: dict[tuple[Any, ...], int] = {}
     with applied(work.model, base) as plan:
         for level in range(5, -1, -1):  # cheapest in memory first
             signature = level_signature(plan, level)
             if signature in seen:
-                out[level] = dict(out[seen[signature]])
+                out[level] = out[seen[signature]]
                 continue
             seen[signature] = level
             plain = not any(rung is not None or lean for _, rung, lean, _ in signature)
@@ -142,7 +146,9 @@ def _uniform_levels(
                     seconds = floor
                 else:
                     seconds = max(floor, step_seconds(work, target))
-            out[level] = {"peak": peak, "fits": fits, "time": seconds}
+            out[level] = Measurement(
+                peak=peak, batch=target, meter=meter, seconds=seconds, predicted=True
+            )
     return dict(sorted(out.items()))
 
 
@@ -230,17 +236,19 @@ def _answer(
         "measure_seconds": measured_in,
         "uniform": versus.uniform,
     }
+    meter = versus.meter
     per_block = None
     if best is not None:
         choice, chosen, measured = best
         per_block = BudgetPlan(
             config=menus.config_for(chosen),
             blocks=[n for n, s in chosen.items() if s != "keep"],
-            predicted_peak=measured,
+            measurement=Measurement(
+                peak=measured, batch=target, meter=meter, seconds=versus.plan_time, predicted=True
+            ),
             strategies=chosen,
             stages=[span.name for span in choice.spans],
             predicted_time=menus.base_time + choice.time,
-            step_time=versus.plan_time,
             check=rounds.checks.get(tuple(chosen.values())),
             seconds=time.perf_counter() - started,
             **common,
@@ -250,9 +258,8 @@ def _answer(
         return BudgetPlan(
             config=base.model_copy(update={"training_checkpoint_level": Level(fastest)}),
             blocks=versus.checkpointed,
-            predicted_peak=versus.uniform[fastest]["peak"],
-            predicted_time=versus.uniform[fastest]["time"],
-            step_time=versus.uniform[fastest]["time"],
+            measurement=versus.uniform[fastest],
+            predicted_time=versus.uniform[fastest].seconds,
             uniform_level=fastest,
             per_block=per_block,
             check=versus.check,
@@ -260,10 +267,11 @@ def _answer(
             **common,
         )
     if per_block is None:
+        smallest = min([rounds.smallest, *(u.peak for u in versus.uniform.values())])
         return BudgetPlan(
             config=None,
             blocks=[],
-            predicted_peak=min([rounds.smallest, *(u["peak"] for u in versus.uniform.values())]),
+            measurement=Measurement(peak=smallest, batch=target, meter=meter, predicted=True),
             seconds=time.perf_counter() - started,
             **common,
         )
@@ -303,8 +311,8 @@ class _Rounds:
                 self.checks[key] = check
                 if check is not None and not check.fits:
                     measured = (
-                        check.allocated_bytes
-                        if check.allocated_bytes is not None
+                        check.measurement.peak
+                        if check.measurement is not None
                         else max(measured, self.budget_bytes) + 1
                     )
         self.count += 1
@@ -343,10 +351,12 @@ class _Versus:
     """The per-block answer against the uniform levels (NOTE [ Never slower than a uniform
     level ])."""
 
-    uniform: dict[int, dict[str, Any]]
+    uniform: dict[int, Measurement]
     plan_time: float | None
     fastest: int | None
     """The uniform level to return instead of the per-block answer, or ``None``."""
+    meter: str
+    """The meter the peaks are measured by."""
     check: FitCheck | None = None
     checkpointed: list[str] = field(default_factory=list)
 
@@ -369,14 +379,16 @@ def _versus_uniform(
         with applied(work.model, menus.config_for(best[1])):
             plan_time = max(floor, step_seconds(work, target))
     fastest = fastest_fitting_level(uniform)
-    if fastest is None or (plan_time is not None and uniform[fastest]["time"] >= plan_time):
-        return _Versus(uniform, plan_time, None)
+    meter = meter_for(work.device).name
+    seconds = uniform[fastest].seconds if fastest is not None else None  # a fitting level's
+    if seconds is None or (plan_time is not None and seconds >= plan_time):
+        return _Versus(uniform, plan_time, None, meter)
     with applied(work.model, base) as level_plan, training_level(fastest):
         check = confirm_fits(work, budget_bytes, target)
         checkpointed = list(level_plan.at_level(fastest).checkpointed)
     if check is not None and not check.fits:
-        return _Versus(uniform, plan_time, None)  # the real step did not fit: the per-block plan
-    return _Versus(uniform, plan_time, fastest, check, checkpointed)
+        return _Versus(uniform, plan_time, None, meter)  # the real step did not fit: per block
+    return _Versus(uniform, plan_time, fastest, meter, check, checkpointed)
 
 
 def planner_frontier(

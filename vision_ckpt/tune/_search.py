@@ -33,6 +33,7 @@ from ..measure._measure import (
     model_restored,
     run_step,
 )
+from ..measure._record import Measurement
 from ..runtime.wrapper import training_level
 
 __all__ = [
@@ -53,9 +54,10 @@ class LevelProfile:
     """The training level measured."""
     regions: int
     """Modules checkpointed at this level (as the plan reports them)."""
-    peak_bytes: int | None = None
-    """Peak of live tensor bytes during the step: parameters, gradients, optimizer state and
-    activations (deterministic byte count)."""
+    measurement: Measurement | None = None
+    """The step at the example's batch: the byte tracker's peak of live tensor bytes
+    (parameters, gradients, optimizer state and activations; deterministic) and the median wall
+    time over the timed repetitions. ``None`` when the level was not run (``skipped``)."""
     activation_bytes: int | None = None
     """Peak minus the bytes live before the forward."""
     saved_bytes: int | None = None
@@ -63,15 +65,14 @@ class LevelProfile:
     and buffers, which layers also save, are not counted)."""
     backward_flops: int | None = None
     """FLOPs of the backward pass, recomputation included."""
-    step_time_s: float | None = None
-    """Median wall time of a step over the timed repetitions."""
     time_ratio: float | None = None
-    """``step_time_s`` over level 0's (or the lowest level measured)."""
+    """The step time over level 0's (or the lowest level measured)."""
     saving: float | None = None
     """``1 - peak / peak at level 0``: the share of level 0's step peak this level saves."""
     cuda_peak_bytes: int | None = None
     """On CUDA: ``torch.cuda.max_memory_allocated`` of a warmed-up step, the figure budgets are
-    decided on there (NOTE [ Two meters ] in ``vision_ckpt.measure._measure``)."""
+    decided on there (NOTE [ Two meters ] in ``vision_ckpt.measure._measure``), beside the
+    tracker's in ``measurement``."""
     cuda_reserved_bytes: int | None = None
     """On CUDA: ``torch.cuda.max_memory_reserved`` of the same step."""
     skipped: str | None = None
@@ -103,47 +104,37 @@ class ProfileResult:
         by L3"`` when another level has no higher peak and no longer step time, and is better
         in one of them. Levels not run are left out.
 
+        >>> def measured(level, regions, peak, saved, seconds):
+        ...     step = Measurement(peak=peak, batch=8, meter="bytes", seconds=seconds)
+        ...     return LevelProfile(level, regions, step, saved_bytes=saved)
         >>> r = ProfileResult("m", 8, (8, 3), "cpu", 1, [
-        ...     LevelProfile(0, 0, peak_bytes=100, saved_bytes=90, step_time_s=1.0),
-        ...     LevelProfile(1, 4, peak_bytes=60, saved_bytes=50, step_time_s=1.1),
-        ...     LevelProfile(2, 8, peak_bytes=70, saved_bytes=40, step_time_s=1.3),
-        ...     LevelProfile(3, 8, peak_bytes=70, saved_bytes=40, step_time_s=1.2)])
+        ...     measured(0, 0, 100, 90, 1.0), measured(1, 4, 60, 50, 1.1),
+        ...     measured(2, 8, 70, 40, 1.3), measured(3, 8, 70, 40, 1.2)])
         >>> r.frontier()  # L3 is L2 again, faster by noise: it dominates nothing
         {0: '', 1: '', 2: 'dominated by L1', 3: 'same as L2'}
-        >>> r.levels[1].step_time_s = 1.4
+        >>> r.levels[1] = measured(1, 4, 60, 50, 1.4)
         >>> r.frontier()
         {0: '', 1: '', 2: '', 3: 'same as L2'}
         """
-        run = [e for e in self.levels if e.skipped is None and e.peak_bytes is not None]
+        run = [e for e in self.levels if e.skipped is None and e.measurement is not None]
         out: dict[int, str] = {}
         for e in run:
-            same = next(
-                (
-                    o
-                    for o in run
-                    if o.level < e.level
-                    and (o.regions, o.peak_bytes, o.saved_bytes)
-                    == (e.regions, e.peak_bytes, e.saved_bytes)
-                ),
-                None,
-            )
+            same = next((o for o in run if o.level < e.level and _same_step(o, e)), None)
             if same is not None:
                 out[e.level] = f"same as L{same.level}"
                 continue
             out[e.level] = ""
-            if e.step_time_s is None:
+            mine = e.measurement
+            if mine is None or mine.seconds is None:
                 continue
             for o in run:
-                if o is e or o.step_time_s is None or o.peak_bytes is None:
+                theirs = o.measurement
+                if o is e or theirs is None or theirs.seconds is None:
                     continue
-                if (o.regions, o.peak_bytes, o.saved_bytes) == (
-                    e.regions,
-                    e.peak_bytes,
-                    e.saved_bytes,
-                ):
+                if _same_step(o, e):
                     continue  # the same plan measured twice: only noise tells them apart
-                no_worse = o.peak_bytes <= e.peak_bytes and o.step_time_s <= e.step_time_s
-                better = o.peak_bytes < e.peak_bytes or o.step_time_s < e.step_time_s
+                no_worse = theirs.peak <= mine.peak and theirs.seconds <= mine.seconds
+                better = theirs.peak < mine.peak or theirs.seconds < mine.seconds
                 if no_worse and better:
                     out[e.level] = f"dominated by L{o.level}"
                     break
@@ -157,6 +148,13 @@ class ProfileResult:
         return data
 
 
+def _same_step(a: LevelProfile, b: LevelProfile) -> bool:
+    """Whether two levels checkpoint the same: the same regions, peak and saved bytes."""
+    peak_a = a.measurement.peak if a.measurement is not None else None
+    peak_b = b.measurement.peak if b.measurement is not None else None
+    return (a.regions, peak_a, a.saved_bytes) == (b.regions, peak_b, b.saved_bytes)
+
+
 @dataclass
 class Suggestion:
     """The answer of :func:`suggest_level`."""
@@ -168,15 +166,13 @@ class Suggestion:
     margin: float
     """Share of the budget kept free: a level fits when ``predicted * (1 + margin) <= budget``."""
     batch_size: int
-    predicted_peak: dict[int, int]
-    """Predicted step peak at ``batch_size`` per level."""
-    measured: dict[int, list[tuple[int, int]]]
-    """Per level, the (batch size, measured peak) points the prediction extrapolates from."""
-    smallest_peak: int
-    """The smallest predicted peak over the levels tried."""
-    meter: str = "bytes"
-    """What the peaks count: ``bytes`` (the byte tracker) or ``cuda allocator``
-    (``max_memory_allocated``, NOTE [ Two meters ] in ``vision_ckpt.measure._measure``)."""
+    predicted: dict[int, Measurement]
+    """Per level, the step peak at ``batch_size``, extrapolated from ``measured`` (a step at
+    ``batch_size`` itself when it is 4 or less), by the meter that decides on the device:
+    ``bytes`` (the byte tracker) or ``cuda allocator`` (``max_memory_allocated``, NOTE [ Two
+    meters ] in ``vision_ckpt.measure._measure``)."""
+    measured: dict[int, list[Measurement]]
+    """Per level, the steps at small batches the prediction extrapolates from."""
     reserved: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     """On CUDA, per level, (batch size, ``max_memory_reserved``) of the measured steps."""
     check: FitCheck | None = None
@@ -188,6 +184,16 @@ class Suggestion:
     def fits(self) -> bool:
         return self.level is not None
 
+    @property
+    def meter(self) -> str:
+        """The meter of the predictions (``bytes`` or ``cuda allocator``)."""
+        return next(iter(self.predicted.values())).meter
+
+    @property
+    def smallest_peak(self) -> int:
+        """The smallest predicted peak over the levels tried."""
+        return min(m.peak for m in self.predicted.values())
+
     def explain(self) -> str:
         from ..measure._memory import format_bytes
 
@@ -196,14 +202,14 @@ class Suggestion:
             for lv, c in self.rejected.items()
         )
         if self.level is None:
-            best = min(self.predicted_peak, key=self.predicted_peak.__getitem__)
+            best = min(self.predicted, key=lambda lv: self.predicted[lv].peak)
             return (
                 f"no level fits {format_bytes(self.budget_bytes)} at batch {self.batch_size} "
                 f"(margin {self.margin:.0%}): the smallest predicted peak is "
                 f"{format_bytes(self.smallest_peak)} at level {best}{rejected}. Lower the "
                 "batch size or raise the budget."
             )
-        peak = self.predicted_peak[self.level]
+        peak = self.predicted[self.level].peak
         checked = f"; {self.check.explain()}" if self.check is not None else ""
         return (
             f"level {self.level} fits: predicted peak {format_bytes(peak)}"
@@ -337,23 +343,29 @@ def _profile_level(entry: LevelProfile, work: Workload, steps: int, flops: bool)
     """Measure one level at the example's batch, at the training level in force."""
     x = work.example
     step = measure_memory(work, x)
-    entry.peak_bytes, entry.activation_bytes, entry.saved_bytes = step[:3]
+    entry.activation_bytes, entry.saved_bytes = step.activation, step.saved
     entry.cuda_peak_bytes, entry.cuda_reserved_bytes = step.allocated, step.reserved
     if flops:
         entry.backward_flops = measure_flops(work, x)
-    entry.step_time_s = measure_time(work, x, steps)
+    seconds = measure_time(work, x, steps)
+    entry.measurement = Measurement(
+        peak=step.peak, batch=work.batch_size, meter="bytes", seconds=seconds
+    )
 
 
 def _fill_ratios(result: ProfileResult) -> None:
-    measured = [e for e in result.levels if e.skipped is None]
+    measured = [e.measurement for e in result.levels if e.measurement is not None]
     if not measured:
         return
     base = measured[0]
-    for entry in measured:
-        if base.step_time_s:
-            entry.time_ratio = entry.step_time_s / base.step_time_s  # type: ignore[operator]
-        if base.peak_bytes:
-            entry.saving = 1.0 - entry.peak_bytes / base.peak_bytes  # type: ignore[operator]
+    for entry in result.levels:
+        step = entry.measurement
+        if step is None:
+            continue
+        if base.seconds:
+            entry.time_ratio = step.seconds / base.seconds  # type: ignore[operator]
+        if base.peak:
+            entry.saving = 1.0 - step.peak / base.peak
 
 
 def suggest_level(
@@ -411,17 +423,15 @@ def suggest_level(
     with model_restored(model, optimizer):
         with applied(model, following_global(config)):
             predicted, measured, reserved = _predict_levels(work, chosen, target, budget_bytes)
-            fitting = [lv for lv in chosen if predicted[lv] * (1 + margin) <= budget_bytes]
+            fitting = [lv for lv in chosen if predicted[lv].peak * (1 + margin) <= budget_bytes]
             chosen_level, check, rejected = _confirm_lowest(work, fitting, budget_bytes, target)
     return Suggestion(
         level=chosen_level,
         budget_bytes=budget_bytes,
         margin=margin,
         batch_size=target,
-        predicted_peak=dict(sorted(predicted.items())),
+        predicted=dict(sorted(predicted.items())),
         measured=dict(sorted(measured.items())),
-        smallest_peak=min(predicted.values()),
-        meter=meter_for(work.device).name,
         reserved={lv: r for lv, r in sorted(reserved.items()) if r},
         check=check,
         rejected=rejected,
@@ -430,19 +440,20 @@ def suggest_level(
 
 def _predict_levels(
     work: Workload, chosen: list[int], target: int, budget_bytes: int
-) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]], dict[int, list[tuple[int, int]]]]:
-    """Per level, cheapest in memory first: the peak predicted at ``target``, the (batch,
-    peak) points it extrapolates from, and the (batch, reserved) points where the meter gives
-    them."""
-    predicted: dict[int, int] = {}
-    measured: dict[int, list[tuple[int, int]]] = {}
+) -> tuple[dict[int, Measurement], dict[int, list[Measurement]], dict[int, list[tuple[int, int]]]]:
+    """Per level, cheapest in memory first: the peak predicted at ``target``, the steps it
+    extrapolates from, and the (batch, reserved) points where the meter gives them."""
+    predicted: dict[int, Measurement] = {}
+    measured: dict[int, list[Measurement]] = {}
     reserved: dict[int, list[tuple[int, int]]] = {}
+    meter = meter_for(work.device).name
     for level in sorted(chosen, reverse=True):  # cheapest in memory first
         readings: list[tuple[int, StepMemory]] = []
         with training_level(level):
-            predicted[level], measured[level] = extrapolated_peak(
-                peak_measurer(work, readings), target, budget_bytes
-            )
+            peak, points = extrapolated_peak(peak_measurer(work, readings), target, budget_bytes)
+        ran = any(b == target for b, _ in points)  # a target of 4 or less is simply run
+        predicted[level] = Measurement(peak=peak, batch=target, meter=meter, predicted=not ran)
+        measured[level] = [step.measurement(b) for b, step in readings]
         reserved[level] = [(b, r.reserved) for b, r in readings if r.reserved is not None]
     return predicted, measured, reserved
 

@@ -32,7 +32,7 @@ from ..measure._measure import LossFn, Workload, default_loss, model_restored
 from ..measure.peak import physical_floor
 from ._candidates import CandidateRegions, regions_of
 from ._derived import DerivedLevel, DerivedPreset
-from ._level_measure import measured_levels, measured_peak
+from ._level_measure import measured_levels, measured_peak, plain_steps
 from ._level_search import DERIVE_MENU, inner_apart, small_stages_whole
 from ._menus import measure_menus
 
@@ -88,8 +88,7 @@ def derive_preset(
             more small steps), for :meth:`DerivedPreset.table`.
 
     Returns:
-        A :class:`DerivedPreset`: ``rules``, ``config(level)``, ``to_yaml()``, and per level its
-        peak and predicted time.
+        A :class:`DerivedPreset`: ``rules``, ``config(level)``, ``to_yaml()``, each level's step.
 
     Raises:
         ConfigError: the trace finds nothing to checkpoint.
@@ -100,7 +99,7 @@ def derive_preset(
     ...                     *[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
     ...                       for _ in range(3)])
     >>> found = derive_preset(net, torch.randn(2, 3, 16, 16), batch_size=16, floor=False)
-    >>> found.levels[-1].peak < found.peak0
+    >>> found.levels[-1].measurement.peak < found.plain.peak
     True
     """
     started = time.perf_counter()
@@ -120,6 +119,7 @@ def derive_preset(
         menus.spans = small_stages_whole(menus, regions)
         alone = inner_apart(menus)
         levels, rules = measured_levels(work, regions, menus, alone, target)
+        plain, plain_modelled = plain_steps(work, menus, target)
         floor_bytes = _floor_at(model, work, target, loss_fn) if floor else None
         bundled = preset_for_model(model)
         compared = None
@@ -132,8 +132,8 @@ def derive_preset(
         input_shape=tuple(example_input.shape[1:]),
         rules=rules,
         levels=levels,
-        peak0=menus.peak0,
-        base_time=menus.base_time,
+        plain=plain,
+        plain_modelled=plain_modelled,
         floor=floor_bytes,
         seconds=time.perf_counter() - started,
         units=[b.name for b in menus.blocks],

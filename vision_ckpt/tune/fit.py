@@ -16,15 +16,14 @@ third batch's peak, and the relative miss is reported (``FitRow.linear_error``);
 batch, a model that pads the batch). If the runs did not execute the same operators the
 prediction falls back to the line through their peaks, and the row says that too.
 
-Time per sample: the step time at each measured batch (a median after a warm-up) fitted by a
-line ``t = c + r * B`` (the fixed part is the optimizer and the weights' gradients), read at
-the row's largest batch and divided by it. Small batches underuse a GPU, so the time is an
-upper bound there; on CPU it is close.
+Time: the step time at each measured batch (a median after a warm-up) fitted by a line
+``t = c + r * B`` (the fixed part is the optimizer and the weights' gradients), read at the
+row's largest batch (the row reports it per sample too). Small batches underuse a GPU, so the
+time is an upper bound there; on CPU it is close.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -35,6 +34,7 @@ import torch
 from ..config.levels import parse_level
 from ..config.schema import CheckpointConfig, parse_memory_budget
 from ..errors import ConfigError
+from ..measure._extrapolate import Lines
 from ..measure._measure import (
     LossFn,
     Workload,
@@ -45,6 +45,7 @@ from ..measure._measure import (
     model_restored,
 )
 from ..measure._memory import format_bytes
+from ..measure._record import Measurement
 from ..measure.models import output_loss, own_switch as find_own_switch, parse_input_shape
 from ..runtime.wrapper import training_level
 from ._planner import level_signature
@@ -64,12 +65,12 @@ class FitRow:
     max_batch: int | None
     """The largest batch whose predicted step peak fits the budget (0: not even one sample;
     ``None``: not measured, see ``note``)."""
-    predicted_peak: int | None = None
-    """Predicted step peak at ``max_batch``, bytes."""
-    time_per_sample_s: float | None = None
-    """Predicted step time at ``max_batch`` divided by it (``None`` if not timed)."""
-    measured: list[tuple[int, int]] = field(default_factory=list)
-    """The (batch, measured step peak) points the prediction comes from."""
+    measurement: Measurement | None = None
+    """The step at ``max_batch``, predicted: its peak and its time (``seconds`` is ``None``
+    when not timed; ``seconds_per_sample`` divides it by the batch). ``None`` when
+    ``max_batch`` is 0 or not measured."""
+    measured: list[Measurement] = field(default_factory=list)
+    """The steps at the small batches the prediction comes from."""
     linear_error: float | None = None
     """Relative miss of the third batch's peak predicted from the first two."""
     linear: bool = True
@@ -81,10 +82,24 @@ class FitRow:
 
 @dataclass
 class _Points:
-    batches: list[int]
-    peaks: list[int]
-    timelines: list[list[int]]
-    times: list[float]
+    steps: list[Measurement] = field(default_factory=list)
+    """One step per small batch (timed when asked), by the device's meter."""
+    timelines: list[list[int]] = field(default_factory=list)
+    """Each step's bytes after every operator, in the same meter's terms."""
+
+    @property
+    def batches(self) -> list[int]:
+        return [s.batch for s in self.steps]
+
+    @property
+    def peaks(self) -> list[int]:
+        return [s.peak for s in self.steps]
+
+    @property
+    def times(self) -> list[float]:
+        """The steps' seconds, or none when they were not timed."""
+        times = [s.seconds for s in self.steps if s.seconds is not None]
+        return times if len(times) == len(self.steps) else []
 
 
 @dataclass
@@ -144,7 +159,7 @@ class FitResult:
         rows = [r for r in self.levels() if r.max_batch]
         if not rows:
             return None
-        return max(rows, key=lambda r: (r.max_batch, -(r.time_per_sample_s or 0.0), -r.level))
+        return max(rows, key=lambda r: (r.max_batch, -(_per_sample(r) or 0.0), -r.level))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the CLI's ``--json`` format)."""
@@ -173,55 +188,38 @@ class FitResult:
         return text
 
 
+def _per_sample(row: FitRow) -> float | None:
+    return row.measurement.seconds_per_sample if row.measurement is not None else None
+
+
 def _measure(work: Workload, batches: Sequence[int], time_steps: int) -> _Points:
-    points = _Points(list(batches), [], [], [])
+    points = _Points()
     for b in batches:
         x = work.batch(b)  # a storage of its own at every batch (see _measure.batch_of)
         timeline: list[int] = []
-        points.peaks.append(measure_memory(work, x, timeline).deciding)
+        step = measure_memory(work, x, timeline)
+        seconds = measure_time(work, x, time_steps) if time_steps else None
+        points.steps.append(step.measurement(b, seconds))
         points.timelines.append(timeline)
-        if time_steps:
-            points.times.append(measure_time(work, x, time_steps))
     return points
 
 
-def _lines(points: _Points, i: int, j: int) -> tuple[np.ndarray, np.ndarray, int] | None:
-    """Per operator (value at batch j, slope) of the lines through runs i and j, or ``None``
-    when the two runs did not execute the same operators."""
-    ti, tj = points.timelines[i], points.timelines[j]
-    if not ti or len(ti) != len(tj):
-        return None
-    yi, yj = np.asarray(ti, dtype=np.float64), np.asarray(tj, dtype=np.float64)
-    bi, bj = points.batches[i], points.batches[j]
-    return yj, (yj - yi) / (bj - bi), bj
+def _lines(points: _Points, i: int, j: int) -> Lines | None:
+    """The per-operator lines through runs i and j, or ``None`` when the two runs did not
+    execute the same operators."""
+    return Lines.through(
+        (points.batches[i], points.timelines[i]), (points.batches[j], points.timelines[j])
+    )
 
 
-def _peak_lines(points: _Points, i: int, j: int) -> tuple[np.ndarray, np.ndarray, int]:
-    pi, pj = float(points.peaks[i]), float(points.peaks[j])
-    bi, bj = points.batches[i], points.batches[j]
-    return np.array([pj]), np.array([(pj - pi) / (bj - bi)]), bj
-
-
-def _at(lines: tuple[np.ndarray, np.ndarray, int], batch: int) -> float:
-    y, slope, b = lines
-    return float(np.max(y + slope * (batch - b)))
-
-
-def _largest(lines: tuple[np.ndarray, np.ndarray, int], goal: float, cap: int) -> int:
-    """The largest batch in [0, cap] whose predicted peak is within ``goal`` (NOTE [ The
-    largest batch from a few small ones ])."""
-    y, slope, b = lines
-    rising = slope > 0
-    top = cap
-    if rising.any():
-        bound = b + (goal - y[rising]) / slope[rising]
-        top = min(cap, int(math.floor(float(bound.min()) + 1e-9)))
-    while top >= 1 and _at(lines, top) > goal:  # float slack; or a falling line over the goal
-        top = top - 1 if _at(lines, top - 1) <= goal else 0
-    return max(0, top)
+def _peak_lines(points: _Points, i: int, j: int) -> Lines:
+    return Lines.through_peaks(
+        (points.batches[i], points.peaks[i]), (points.batches[j], points.peaks[j])
+    )
 
 
 def _time_at(points: _Points, batch: int) -> float | None:
+    """The step seconds at ``batch`` along the line through the timed steps."""
     if not points.times or batch < 1:
         return None
     b = np.asarray(points.batches, dtype=np.float64)
@@ -229,7 +227,7 @@ def _time_at(points: _Points, batch: int) -> float | None:
     rate, fixed = np.polyfit(b, t, 1) if len(set(points.batches)) > 1 else (t[0] / b[0], 0.0)
     if fixed < 0 or rate <= 0:  # noise: proportional to the batch, through the origin
         rate, fixed = float((b * t).sum() / (b * b).sum()), 0.0
-    return float(fixed + rate * batch) / batch
+    return float(fixed + rate * batch)
 
 
 def _row(
@@ -248,7 +246,7 @@ def _row(
             check = _peak_lines(points, 0, 1)
             notes.append("the runs executed different operators: line through the peaks")
         third = points.peaks[2]
-        error = abs(_at(check, points.batches[2]) - third) / third
+        error = abs(check.at(points.batches[2]) - third) / third
     last = _lines(points, -2, -1)
     if last is None:
         last = _peak_lines(points, -2, -1)
@@ -262,14 +260,18 @@ def _row(
         )
     if error is None:
         notes.append("linearity not checked (two batches measured)")
-    top = _largest(last, goal, cap)
+    top = last.largest_within(goal, cap)
+    at_top = None
+    if top:
+        peak, meter = int(round(last.at(top))), points.steps[-1].meter
+        seconds = _time_at(points, top)
+        at_top = Measurement(peak=peak, batch=top, meter=meter, seconds=seconds, predicted=True)
     return FitRow(
         label=label,
         level=level,
         max_batch=top,
-        predicted_peak=int(round(_at(last, top))) if top else None,
-        time_per_sample_s=_time_at(points, top),
-        measured=list(zip(points.batches, points.peaks, strict=True)),
+        measurement=at_top,
+        measured=list(points.steps),
         linear_error=error,
         linear=linear,
         note="; ".join(notes),
@@ -470,10 +472,8 @@ def _same(row: FitRow) -> str:
 
 
 def _copy(row: FitRow, label: str, level: int, note: str) -> FitRow:
-    data = asdict(row)
-    data.update(label=label, level=level, note="; ".join(n for n in (note, row.note) if n))
-    data["measured"] = [tuple(p) for p in data["measured"]]
-    return FitRow(**data)
+    notes = "; ".join(n for n in (note, row.note) if n)
+    return replace(row, label=label, level=level, note=notes, measured=list(row.measured))
 
 
 def _switch_row(
@@ -527,13 +527,14 @@ def _planner_row(
         return FitRow(
             "planner", None, None, note=f"no per-block plan fits batch {batch}: {planned.explain()}"
         )
-    seconds = planned.step_time or planned.predicted_time
-    per_sample = seconds / batch if seconds else None
+    seconds = planned.measurement.seconds or planned.predicted_time or None
+    at_batch = replace(planned.measurement, seconds=seconds)
+    per_sample = at_batch.seconds_per_sample
     fastest = planned.fastest_uniform()
     scale = ""
     if fastest is not None and per_sample is not None:
         # the planner times the plan and the levels on its own small batches: compare there
-        level_time = planned.uniform[fastest]["time"] / batch
+        level_time = planned.uniform[fastest].seconds_per_sample
         scale = (
             f"; timed beside the levels: {per_sample * 1000:.3g} ms/sample against level "
             f"{fastest}'s {level_time * 1000:.3g}"
@@ -542,7 +543,6 @@ def _planner_row(
         "planner",
         None,
         batch,
-        predicted_peak=planned.predicted_peak,
-        time_per_sample_s=per_sample,
+        measurement=at_batch,
         note=f"the planner at level {best.level}'s batch: {planned.explain()}{scale}",
     )
