@@ -78,10 +78,13 @@ QUESTIONS = (
         "Under torch.compile",
         "`compile_matrix.py`: one small timm model per preset family at levels 0-5, a case ok "
         "when the compiled step runs and every gradient is within `rtol` of eager's (see "
-        "[compile.md](compile.md)). `bench_frontier.py`: `torch.compile` with an "
-        "`activation_memory_budget` beside level 0; a compiled step runs kernels the storage "
-        "tracker cannot see, so only the allocator-event meter is shown for it.",
-        ("compile_matrix", "frontier_compile_b32"),
+        "[compile.md](compile.md)). `bench_frontier.py` with compiled variants: our levels "
+        "(`cL2`...), timm's switch (`ctimm`) and `torch.compile` with an "
+        "`activation_memory_budget` (`compile@0.5`) under inductor, beside eager level 0; a "
+        "compiled step runs kernels the storage tracker cannot see, so compare compiled "
+        "variants by the allocator-event meter (`prof`).",
+        ("compile_matrix", "frontier_compile_b32_cpu"),
+        ("frontier_compile_b32",),
     ),
     Question(
         "The largest batch that fits",
@@ -821,7 +824,7 @@ def render_compiled_table() -> str:
             "kernels), then the step time relative to compiled level 0 in the same rounds. "
             '"= Lk": the level runs level k\'s plan. Rendered from '
             f"[`benchmarks/results/{COMPILED_SOURCE}/results.json`]"
-            f"(benchmarks/results/{COMPILED_SOURCE}/results.json); one run per model:",
+            f"(benchmarks/results/{COMPILED_SOURCE}/results.json), one run per model, each as:",
             "",
             "```bash",
             *(runs[:1] or ["(command not recorded)"]),

@@ -142,3 +142,21 @@ def test_a_failing_measurement_is_one_line_with_exit_code_1(capsys) -> None:
     assert main(argv) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("vision-ckpt: error: RuntimeError:") and "\n" not in err
+
+
+def test_a_preset_file_is_a_config(tmp_path: Path, capsys) -> None:
+    """What `derive --out` writes and configs/presets/ holds (a `family:` header and rules)
+    is taken by --config as it is: its rules at the command's level, the plan of the preset
+    of that name."""
+    source = Path(__file__).parents[1] / "configs" / "presets" / "resnet.yaml"
+    copy = tmp_path / "my_resnet.yaml"
+    copy.write_text(source.read_text())
+    assert main(["plan", "--model", "resnet18", "--level", "3", "--config", str(copy)]) == 0
+    by_file = capsys.readouterr().out
+    assert "unknown key" not in by_file
+    assert main(["plan", "--model", "resnet18", "--level", "3"]) == 0
+    by_name = capsys.readouterr().out
+    rows = [line.split()[:3] for line in by_file.splitlines() if line.startswith("layer")]
+    assert rows and rows == [
+        line.split()[:3] for line in by_name.splitlines() if line.startswith("layer")
+    ]

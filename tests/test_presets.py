@@ -6,6 +6,7 @@ full-size architectures cost nothing. ``test_presets_zoo.py`` runs the presets o
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 import torchvision.models as tvm
 from torch import nn
 
+import vision_ckpt
 from vision_ckpt import ConfigError
 from vision_ckpt.config import CheckpointConfig, LevelRule, PresetFile, _fallback, presets
 from vision_ckpt.config.matching import ModuleMatcher
@@ -734,3 +736,21 @@ def test_a_preset_that_selects_nothing_names_its_versions(scratch_registry) -> N
         r"\(the preset was written for torch 0.1; installed: torch 2\.",
     ):
         preset_rules(_TieNet(), "gone")
+
+
+def test_a_preset_file_by_its_path(tmp_path: Path) -> None:
+    """`preset: FILE`, `apply_preset(..., preset=FILE)` and CheckpointConfig.from_file take a
+    preset file; one that is missing is a ConfigError naming it."""
+    source = presets.presets_dir() / "resnet.yaml"
+    path = tmp_path / "derived.yaml"
+    path.write_text(source.read_text())
+    model = timm.create_model("resnet18", pretrained=False)
+    named = vision_ckpt.plan(model, {"preset": "resnet", "training_checkpoint_level": 3})
+    by_path = vision_ckpt.plan(model, {"preset": str(path), "training_checkpoint_level": 3})
+    assert by_path.checkpointed == named.checkpointed
+    cfg = CheckpointConfig.from_file(path)
+    assert cfg.preset == str(path) and not cfg.rules
+    applied = vision_ckpt.apply_preset(copy.deepcopy(model), 3, preset=str(path))
+    assert applied.checkpointed == named.checkpointed
+    with pytest.raises(ConfigError, match=r"preset file '.*missing\.yaml' does not exist"):
+        vision_ckpt.plan(model, {"preset": str(tmp_path / "missing.yaml")})

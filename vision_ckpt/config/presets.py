@@ -57,6 +57,7 @@ from .matching import compile_type_pattern
 from .schema import CheckpointConfig, LevelRule, PresetFamily, PresetFile
 
 __all__ = [
+    "is_preset_file",
     "list_presets",
     "load_preset",
     "preset_family",
@@ -255,7 +256,20 @@ def preset_family(name: str) -> PresetFamily:
     return _load(name)[1]
 
 
+def is_preset_file(name: str) -> bool:
+    """Whether ``preset`` names a preset file (a path ending ``.yaml``, ``.yml`` or ``.json``,
+    what ``configs/presets/`` holds and ``vision-ckpt derive --out`` writes) rather than a
+    registered preset.
+
+    >>> is_preset_file("resnet"), is_preset_file("my_presets/levit.yaml")
+    (False, True)
+    """
+    return Path(name.strip()).suffix.lower() in (".yaml", ".yml", ".json")
+
+
 def _load(name: str) -> tuple[CheckpointConfig, PresetFamily]:
+    if is_preset_file(name):
+        return _load_file(Path(name.strip()))
     key = _normalise(name)
     if key in _cache:
         return _cache[key]
@@ -276,6 +290,22 @@ def _load(name: str) -> tuple[CheckpointConfig, PresetFamily]:
         loaded = (source, _registered_families.get(key, PresetFamily()))
     _cache[key] = loaded
     return loaded
+
+
+def _load_file(path: Path) -> tuple[CheckpointConfig, PresetFamily]:
+    """A preset file by its path, read again whenever it changed on disk."""
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        raise ConfigError(
+            f"preset file {str(path)!r} does not exist; give the path of a preset file (a "
+            "'family:' header and 'rules:', as `vision-ckpt derive --out` writes), or a "
+            "preset's name (vision_ckpt.list_presets())."
+        ) from None
+    key = f"{path.resolve()}@{stamp}"
+    if key not in _cache:
+        _cache[key] = _read_preset_file(str(path), path)
+    return _cache[key]
 
 
 def _check_preset_config(
@@ -386,7 +416,7 @@ def preset_rules(model: Any, preset: str) -> list[tuple[LevelRule, str]]:
         if name is None:
             return fallback_rules(model)
     else:
-        name = _normalise(preset)
+        name = preset.strip() if is_preset_file(preset) else _normalise(preset)
     config, family = _load(name)
     out: list[tuple[LevelRule, str]] = []
     for part, part_preset in family.parts.items():

@@ -160,50 +160,55 @@ class _Schema(BaseModel):
             ConfigError: the file is missing, has another suffix, does not parse, or does not
                 validate; the message names the file and the offending keys.
         """
-        path = Path(path)
-        suffix = path.suffix.lower()
-        if suffix not in (".yaml", ".yml", ".json"):
-            raise ConfigError(
-                f"config file {str(path)!r} has suffix {path.suffix!r}; allowed: .yaml, .yml, "
-                ".json. Rename it, or load it yourself and pass the dict to "
-                "CheckpointConfig.model_validate."
-            )
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist.") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                "save it as UTF-8."
-            ) from None
-        except OSError as exc:
-            raise ConfigError(
-                f"config file {str(path)!r} cannot be read: {exc.strerror or exc}."
-            ) from None
-        try:
-            if suffix == ".json":
-                data = json.loads(text)
-            else:
-                import yaml
-
-                data = yaml.safe_load(text)
-        except (ValueError, ImportError) as exc:  # json.JSONDecodeError is a ValueError
-            raise ConfigError(f"config file {str(path)!r} does not parse: {exc}") from None
-        except Exception as exc:  # yaml.YAMLError has no common base with the above
-            raise ConfigError(f"config file {str(path)!r} does not parse as YAML: {exc}") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"config file {str(path)!r} holds a {type(data).__name__}, expected a mapping "
-                f"of config keys ({', '.join(cls.model_fields)})."
-            )
+        data = _read_mapping(Path(path), cls)
         try:
             # pydantic's own model_validate, to name the file in the error ourselves.
             return BaseModel.model_validate.__func__(cls, data)  # type: ignore[attr-defined]
         except ValidationError as exc:
             raise _config_error(cls, exc, source=str(path)) from None
+
+
+def _read_mapping(path: Path, cls: type[BaseModel]) -> dict[str, Any]:
+    """The mapping a config file holds (``ConfigError`` naming the file when it has none)."""
+    suffix = path.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise ConfigError(
+            f"config file {str(path)!r} has suffix {path.suffix!r}; allowed: .yaml, .yml, "
+            ".json. Rename it, or load it yourself and pass the dict to "
+            "CheckpointConfig.model_validate."
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist.") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+            "save it as UTF-8."
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} cannot be read: {exc.strerror or exc}."
+        ) from None
+    try:
+        if suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except (ValueError, ImportError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ConfigError(f"config file {str(path)!r} does not parse: {exc}") from None
+    except Exception as exc:  # yaml.YAMLError has no common base with the above
+        raise ConfigError(f"config file {str(path)!r} does not parse as YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(path)!r} holds a {type(data).__name__}, expected a mapping "
+            f"of config keys ({', '.join(cls.model_fields)})."
+        )
+    return data
 
 
 class KeepOps(_Schema):
@@ -538,6 +543,23 @@ class CheckpointConfig(_Schema):
         if value is not None:
             _as_value_error(parse_memory_budget, value)
         return value
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> typing.Self:
+        """Load a config file, or a preset file: a file with a ``family:`` header (what
+        ``configs/presets/`` holds and ``vision-ckpt derive --out`` writes) loads as
+        ``preset: <path>``, its rules at the training level the caller sets.
+
+        >>> import vision_ckpt.config.presets as presets
+        >>> cfg = CheckpointConfig.from_file(presets.presets_dir() / "resnet.yaml")
+        >>> cfg.preset.endswith("resnet.yaml") and not cfg.rules
+        True
+        """
+        path = Path(path)
+        data = _read_mapping(path, cls)
+        if "family" in data:
+            return cls(preset=str(path))
+        return super().from_file(path)
 
     @field_validator("preset")
     @classmethod
