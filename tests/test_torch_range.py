@@ -102,9 +102,9 @@ def test_a_compiled_level_breaks_the_graph_no_more_than_level_0() -> None:
 def test_batchnorm_regions_compile_where_torch_updates_statistics_once(monkeypatch) -> None:
     """Where torch's compiled checkpoint updates BatchNorm statistics twice, such regions run
     between graphs, and the first says so; elsewhere they compile into one graph."""
-    from vision_ckpt.runtime import wrapper
+    from vision_ckpt.runtime import _traced
 
-    monkeypatch.setattr(wrapper, "_compile_notes_shown", set())  # shown once per process
+    monkeypatch.setattr(_traced, "_compile_notes_shown", set())  # shown once per process
     breaks, messages = _graph_breaks("resnet18", 2)
     between = [m for m in messages if "BatchNorm running statistics twice" in m]
     if _compat.COMPILED_CHECKPOINT_KEEPS_BATCHNORM:
