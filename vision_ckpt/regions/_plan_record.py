@@ -43,6 +43,10 @@ class PlanEntry:
     """The training level from which the module (an MLP, ``_lean``) runs with the lean backward
     (``LevelRule.lean``), or ``None``. Not a region: ``rungs`` and ``checkpointed`` leave it
     out."""
+    nests_full: frozenset[int] = frozenset()
+    """Training levels at which it is a full region holding a fully checkpointed region inside
+    it: under torch.compile it runs between graphs there (NOTE [ Nested regions under
+    torch.compile ] in the wrapper)."""
 
     def lean_at(self, level: int) -> bool:
         """Whether the module runs with the lean backward at training ``level``."""

@@ -122,6 +122,7 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
             ),
         )
     )
+    entries = _nests_full(model, entries, cfg.nesting)
     return CheckpointPlan(
         model_class=_model_label(model),
         entries=decide(entries, level, cfg.nesting),
@@ -410,6 +411,33 @@ def _holds_several(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
     return tuple(
         replace(e, holds_several=frozenset(holds[e.name])) if e.name in holds else e
         for e in entries
+    )
+
+
+def _nests_full(
+    model: nn.Module, entries: tuple[PlanEntry, ...], nesting: str
+) -> tuple[PlanEntry, ...]:
+    """Give every entry the training levels at which it is a full region with a fully
+    checkpointed region inside it (inside its module, or inside a member of its run), as
+    :func:`decide` decides at each level."""
+    nests: dict[str, set[int]] = {}
+    for level in range(1, 6):
+        on = {
+            e.name: rung
+            for e in decide(entries, Level(level), nesting)
+            if e.checkpointed and (rung := e.rung_at(level)) is not None and not rung.selective
+        }
+        for name, rung in on.items():
+            spans = [name]
+            if rung.through is not None:
+                spans = run_members(model, name, rung.through, f"the run {name!r}")
+            if any(
+                other != name and any(other == s or is_ancestor(s, other) for s in spans)
+                for other in on
+            ):
+                nests.setdefault(name, set()).add(level)
+    return tuple(
+        replace(e, nests_full=frozenset(nests[e.name])) if e.name in nests else e for e in entries
     )
 
 

@@ -171,6 +171,7 @@ def _policy(the_plan: CheckpointPlan, entry: PlanEntry, shared: dict[KeepOps, Sa
         the_plan.preserve_rng_state,
         entry.holds_several,
         entry.lean,
+        entry.nests_full,
     )
 
 

@@ -208,6 +208,7 @@ def _checkpoint(
     kwargs: dict[str, Any],
     options: dict[str, Any],
     exact: bool | None = None,
+    nested: bool = False,
 ) -> Any:
     """``_core.checkpoint_region`` of ``region`` called on ``args`` and ``kwargs``, with the
     core's ``options``. In eager the core is given the region itself, which recomputation runs
@@ -216,9 +217,13 @@ def _checkpoint(
     ``_traced``),
     or, where torch's compiled checkpoint would not be exact, the region run eagerly between
     graphs. ``exact``: whether the traced checkpoint is exact, where the caller knows better
-    than the region's module can say (a run of several modules)."""
+    than the region's module can say (a run of several modules); ``nested``: the region holds
+    fully checkpointed regions (NOTE [ Nested regions under torch.compile ])."""
     if not _core.compiling():
         return _core.checkpoint_region(region, *args, **options, **kwargs)
+    if nested:
+        _note_nested_between_graphs(options["label"])
+        return _traced.checkpoint_between_graphs(region, *args, **options, **kwargs)
     if exact is None:
         exact = _core.traced_region_is_exact(region.fn, options.get("module"))
     if not exact:
@@ -231,6 +236,34 @@ def _checkpoint(
         return _core.checkpoint_region(region.fn, *args, **options, **kwargs)
     finally:
         _traced.traced_pop()
+
+
+# NOTE [ Nested regions under torch.compile ]
+#
+# torch's compiled checkpoint tags a region's operators for the partitioner, which recomputes
+# the tagged part of one graph in one piece: a region nested inside another does not bound the
+# outer one's recomputation as it does in eager, where the outer recomputation keeps only the
+# inner regions' inputs. So a full region that holds a fully checkpointed region at the
+# training level (``Policy.nests_full``, from the plan) would hold more compiled than the plan
+# says, often more than the level below. Such a region runs eagerly between compiled graphs,
+# where the core nests as in eager: the compiled step keeps what the plan says, at eager speed
+# for that region; the first one warns once. A selective region is not one of them: its kept
+# operators are tagged per operator and flatten without that cost.
+
+
+def _nests_now(policy: Policy) -> bool:
+    """While torch.compile traces: whether the region runs between graphs at the training
+    level now (NOTE [ Nested regions under torch.compile ])."""
+    return int(_policy_level(policy)) in policy.nests_full and _core.compiling()
+
+
+def _note_nested_between_graphs(label: str) -> None:
+    compile_note(
+        "nested-between-graphs",
+        f"{label!r} holds checkpointed regions, which torch.compile would recompute in one "
+        "piece with it: to keep the plan's memory, such regions run eagerly between compiled "
+        "graphs (graph breaks; gradients exact). (Shown once.)",
+    )
 
 
 def _innermost() -> tuple[Level | None, bool]:
@@ -465,6 +498,9 @@ class Policy:
     lean: Level | None = None
     """The training level from which the module runs its lean forward (an MLP,
     NOTE [ Lean MLP ] in ``_lean``), inside a region or not; ``None``: never."""
+    nests_full: frozenset[int] = frozenset()
+    """Training levels at which the region is full and holds a fully checkpointed region: under
+    torch.compile it runs between graphs there (NOTE [ Nested regions under torch.compile ])."""
 
 
 def lean_now(policy: Policy) -> bool:
@@ -576,7 +612,7 @@ def run_policy(
         context_fn=bind_region(rung.context_fn, label),
         offload=_offload_now(rung, label),
     )
-    return _checkpoint(region, args, kwargs, options)
+    return _checkpoint(region, args, kwargs, options, nested=_nests_now(policy))
 
 
 def _offload_now(rung: Rung, label: str) -> bool:
@@ -688,9 +724,12 @@ def run_traced_chain(
         context_fn=bind_region(rung.context_fn, label),
         offload=_offload_now(rung, label),
     )
-    if all(_core.traced_region_is_exact(m, m) for m in modules):
+    if _nests_now(policy):
+        _note_nested_between_graphs(label)
+    elif all(_core.traced_region_is_exact(m, m) for m in modules):
         return _checkpoint(region, (x,), {}, options, exact=True)
-    _traced.note_batchnorm_between_graphs()
+    else:
+        _traced.note_batchnorm_between_graphs()
     return _traced.run_between_graphs(region, x, list(modules), options)
 
 
@@ -751,5 +790,5 @@ def run_segments(
             preserve_rng_state=policy.preserve_rng_state,
             context_fn=bind_region(rung.context_fn, part_label),
         )
-        x = _checkpoint(region, (x,), {}, options)
+        x = _checkpoint(region, (x,), {}, options, nested=_nests_now(policy))
     return x
