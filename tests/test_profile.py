@@ -148,7 +148,11 @@ def test_plan_for_budget_fits_between_uniform_levels_and_checkpoints_less() -> N
     # the default margin (5%) covers the extrapolation's error (under 1% here)
     result = plan_for_budget(model, example, budget, batch_size=8)
     assert result.config is not None and result.blocks
-    assert len(result.blocks) < len(result.candidates)
+    # A uniform level measured faster is returned instead (NOTE [ Never slower than a uniform
+    # level ]): on a loaded machine the timing can go either way, so the count of checkpointed
+    # blocks is checked on the per-block answer; the peak below is checked on either.
+    if result.uniform_level is None:
+        assert len(result.blocks) < len(result.candidates)
     vision_ckpt.apply(model, result.config)
     model.zero_grad(set_to_none=True)  # a step starts without gradients, as the profiler's do
     try:
