@@ -1091,32 +1091,6 @@ def _alone_peaks(
     return peaks, errors
 
 
-def _interleaved(
-    variants: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor, device: str, reps: int
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Step seconds of every variant over ``reps`` rounds, the order rotating from round to
-    round, and each round's ratio to ``L0``'s (all variants on the device together)."""
-    live = list(variants)
-    for model in variants.values():
-        model.to(device)
-    times: dict[str, list[float]] = {v: [] for v in live}
-    ratios: dict[str, list[float]] = {v: [] for v in live}
-    for round_ in range(reps):
-        shift = round_ * len(live) // max(1, reps)
-        this: dict[str, float] = {}
-        for v in live[shift:] + live[:shift]:
-            _sync(device)
-            start = time.perf_counter()
-            train_step(variants[v], x, y)
-            _sync(device)
-            this[v] = time.perf_counter() - start
-            times[v].append(this[v])
-        for v in live:
-            if "L0" in this:
-                ratios[v].append(this[v] / this["L0"])
-    return times, ratios
-
-
 # What a CPU dry run sizes ``--frontier-batch auto`` against, in place of a device's memory.
 CPU_STAND_IN_BYTES = 2**30
 
@@ -1465,7 +1439,8 @@ def check_derive(args: argparse.Namespace, models: dict[str, dict[str, Any]]) ->
         exact = _derived_exact(base, variants, args.device, args.image)
         memory, errors = _alone_peaks(variants, x, y, args.device)
         live = {v: m for v, m in variants.items() if v not in errors}
-        times, ratios = _interleaved(live, x, y, args.device, args.reps)
+        step = functools.partial(train_step, y=y)
+        times, ratios = _interleaved_steps(live, x, args.device, args.reps, step)
         derived = {f"D{lv.level}": lv for lv in found.levels}
         for v in variants:
             row: dict[str, Any] = {"model": name, "batch": args.batch, "variant": v}

@@ -835,15 +835,18 @@ def render_compiled_table() -> str:
     )
 
 
+def _between(text: str, begin_marker: str, end_marker: str, rendered: str) -> str:
+    """``text`` with everything from ``begin_marker`` through ``end_marker`` replaced by
+    ``rendered`` (which carries both markers)."""
+    begin, end = text.find(begin_marker), text.find(end_marker)
+    if begin < 0 or end < begin:
+        raise SystemExit(f"README.md has no '{begin_marker}' ... '{end_marker}' markers")
+    return text[:begin] + rendered + text[end + len(end_marker) :]
+
+
 def _with_readme_table(text: str) -> str:
-    begin, end = text.find(README_BEGIN), text.find(README_END)
-    if begin < 0 or end < begin:
-        raise SystemExit(f"README.md has no '{README_BEGIN}' ... '{README_END}' markers")
-    text = text[:begin] + render_readme_table() + text[end + len(README_END) :]
-    begin, end = text.find(COMPILED_BEGIN), text.find(COMPILED_END)
-    if begin < 0 or end < begin:
-        raise SystemExit(f"README.md has no '{COMPILED_BEGIN}' ... '{COMPILED_END}' markers")
-    return text[:begin] + render_compiled_table() + text[end + len(COMPILED_END) :]
+    text = _between(text, README_BEGIN, README_END, render_readme_table())
+    return _between(text, COMPILED_BEGIN, COMPILED_END, render_compiled_table())
 
 
 # --- presets -------------------------------------------------------------------------------

@@ -605,14 +605,21 @@ def run_policy(
         module = owner if isinstance(owner, nn.Module) else None
     if label is None:
         label = _frame.region_label(fn)
-    options = dict(
+    options = _region_options(policy, rung, label, module)
+    return _checkpoint(region, args, kwargs, options, nested=_nests_now(policy))
+
+
+def _region_options(
+    policy: Policy, rung: Rung, label: str, module: nn.Module | None
+) -> dict[str, Any]:
+    """The core's options for a region of ``policy`` checkpointed with ``rung``."""
+    return dict(
         module=module,
         label=label,
         preserve_rng_state=policy.preserve_rng_state,
         context_fn=bind_region(rung.context_fn, label),
         offload=_offload_now(rung, label),
     )
-    return _checkpoint(region, args, kwargs, options, nested=_nests_now(policy))
 
 
 def _offload_now(rung: Rung, label: str) -> bool:
@@ -717,13 +724,7 @@ def run_traced_chain(
         return tuple(outs)
 
     region = _RunAtLevel(whole, *_run_context(policy, rung))
-    options = dict(
-        module=None,
-        label=label,
-        preserve_rng_state=policy.preserve_rng_state,
-        context_fn=bind_region(rung.context_fn, label),
-        offload=_offload_now(rung, label),
-    )
+    options = _region_options(policy, rung, label, None)
     if _nests_now(policy):
         _note_nested_between_graphs(label)
     elif all(_core.traced_region_is_exact(m, m) for m in modules):
