@@ -332,6 +332,50 @@ def test_fit_on_a_timm_name_as_before(capsys) -> None:
     assert "the own switch (set_grad_checkpointing())'s" in text
 
 
+def test_fit_says_which_clock_its_times_are_on(capsys) -> None:
+    argv = ["fit", "--model", "resnet18", "--img-size", "32", "--budget", "256MiB"]
+    assert main([*argv, "--levels", "0,3", "--no-own-switch"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "modelled" in text and "priced from each operator's FLOPs" in text
+    assert main([*argv, "--levels", "0", "--time", "measured", "--steps", "1", "-q"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "measured" in text and "medians of real steps" in text
+
+
+def test_a_status_line_only_on_a_terminal_and_not_with_quiet(monkeypatch) -> None:
+    import argparse
+
+    from vision_ckpt.cli._inputs import make_console, working
+
+    console = make_console()
+    said: list[str] = []
+    monkeypatch.setattr(type(console), "is_terminal", property(lambda self: True))
+    monkeypatch.setattr(
+        type(console), "status", lambda self, text: _Status(said, text), raising=True
+    )
+    with working(console, argparse.Namespace(quiet=False), "counting") as say:
+        say("level 3: batch 2 (1 of 3)")
+    assert said == ["counting", "level 3: batch 2 (1 of 3)"]
+    with working(console, argparse.Namespace(quiet=True), "counting") as say:
+        say("level 3")
+    assert said == ["counting", "level 3: batch 2 (1 of 3)"]  # --quiet: nothing shown
+
+
+class _Status:
+    def __init__(self, said: list[str], text: str) -> None:
+        self.said = said
+        said.append(text)
+
+    def __enter__(self) -> _Status:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, text: str) -> None:
+        self.said.append(text)
+
+
 def test_a_model_that_says_nothing_gets_224_with_a_note(capsys) -> None:
     argv = [
         "fit",

@@ -52,7 +52,7 @@ LAYERS: list[set[str]] = [
     {"regions._planning"},
     {"regions.apply"},
     {"regions"},
-    {"measure._memory", "measure.models"},
+    {"measure._memory", "measure.models", "measure._fake"},
     {"measure._record"},
     {"measure._measure"},
     {"measure._extrapolate", "measure._price", "measure.peak"},

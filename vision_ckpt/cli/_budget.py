@@ -23,14 +23,13 @@ from ._inputs import (
     load_config,
     make_console,
     resolved_config,
+    working,
 )
 
 __all__ = ["cmd_fit", "cmd_derive"]
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     from ..tune.fit import max_batch
 
     levels = level_range(args.levels)
@@ -46,12 +45,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     shape = input_shape(args, model, console)
     # derived for eight times the largest batch measured: its two small batches are then
     # a quarter and an eighth of it, as for any derivation
-    config = resolved_config(config, model, shape, 8 * max(batches), args.device, console)
-    with console.status(f"measuring {args.model} at batches {args.batches}") as status:
-
-        def progress(row: Any) -> None:
-            status.update(f"measuring {args.model}: {row.label} done")
-
+    config = resolved_config(config, model, shape, 8 * max(batches), args, console)
+    with working(console, args, f"measuring {args.model} at batches {args.batches}") as say:
         result = max_batch(
             model,
             shape,
@@ -62,17 +57,39 @@ def cmd_fit(args: argparse.Namespace) -> int:
             config=config,
             batches=batches,
             margin=args.margin,
-            time_steps=args.steps,
+            time_steps=args.steps if args.time == "measured" else int(args.steps > 0),
+            clock=args.time,
             model_name=args.model,
-            on_row=progress,
+            on_progress=lambda now: say(f"{args.model}: {now}"),
         )
+    console.print(_fit_table(result, args.model))
+    console.print(result.explain())
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        _plot_fit(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0 if result.best_level() is not None else 1
+
+
+def _fit_table(result: Any, model: str) -> Any:
+    """The rows of a :class:`~vision_ckpt.tune.fit.FitResult` as a rich table."""
+    from rich.table import Table
+
     table = Table(
         title=(
-            f"{args.model}: largest batch in {fmt_bytes(result.budget_bytes)}, input "
+            f"{model}: largest batch in {fmt_bytes(result.budget_bytes)}, input "
             f"{tuple(result.input_shape)}, {result.device}"
         )
     )
-    for column in ("", "largest batch", "predicted peak", "time / sample", "linear"):
+    for column in (
+        "",
+        "largest batch",
+        "predicted peak",
+        f"{result.clock} time / sample",
+        "linear",
+    ):
         table.add_column(column, justify="right")
     table.add_column("note")
     best = result.best_level()
@@ -91,17 +108,16 @@ def cmd_fit(args: argparse.Namespace) -> int:
     table.caption = (
         f"Predicted from steps at batches {', '.join(map(str, result.batches))} (bytes per "
         "operator are lines in the batch; 'linear' is how far the third batch's peak fell from "
-        "the first two's line); times are medians of small batches."
+        "the first two's line); "
+        + (
+            "times are priced from each operator's FLOPs and bytes at fixed rates, not timed: "
+            "they rank the levels, their scale is approximate."
+            if result.clock == "modelled"
+            else "times are medians of real steps at the small batches, which a busy machine "
+            "can reorder."
+        )
     )
-    console.print(table)
-    console.print(result.explain())
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
-        console.print(f"wrote {args.json}")
-    if args.plot:
-        _plot_fit(result, args.plot)
-        console.print(f"wrote {args.plot}")
-    return 0 if best is not None else 1
+    return table
 
 
 def cmd_derive(args: argparse.Namespace) -> int:
@@ -114,7 +130,7 @@ def cmd_derive(args: argparse.Namespace) -> int:
     console = make_console()
     shape = input_shape(args, model, console)
     example = input_for(shape, 2, args.device)
-    with console.status(f"deriving levels for {args.model} at batch {args.batch_size}"):
+    with working(console, args, f"deriving levels for {args.model} at batch {args.batch_size}"):
         found = derive_preset(
             model,
             example,

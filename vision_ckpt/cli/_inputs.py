@@ -10,7 +10,9 @@ exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
@@ -22,6 +24,8 @@ __all__ = [
     "load_config",
     "resolved_config",
     "make_console",
+    "shows_progress",
+    "working",
     "fmt_bytes",
     "fmt_seconds",
     "config_data",
@@ -115,7 +119,12 @@ def load_config(path: str | None) -> Any:
 
 
 def resolved_config(
-    config: Any, model: Any, shape: tuple[int, ...], batch: int, device: str, console: Any
+    config: Any,
+    model: Any,
+    shape: tuple[int, ...],
+    batch: int,
+    args: argparse.Namespace,
+    console: Any,
 ) -> Any:
     """``config`` with ``preset: derived`` resolved for this model at ``batch`` (derived once,
     on two small batches of synthetic input); any other config as it is."""
@@ -124,10 +133,10 @@ def resolved_config(
     from ..measure.models import output_loss
     from ..tune.derive import resolve_derived
 
-    with console.status(f"deriving levels for the model at batch {batch}"):
+    with working(console, args, f"deriving levels for the model at batch {batch}"):
         started = time.perf_counter()
         config = resolve_derived(
-            model, input_for(shape, 2, device), config, batch, loss_fn=output_loss
+            model, input_for(shape, 2, args.device), config, batch, loss_fn=output_loss
         )
     console.print(
         f"preset: derived, at batch {batch} ({time.perf_counter() - started:.0f} s; "
@@ -143,6 +152,22 @@ def make_console() -> Any:
     if not console.is_terminal:  # pipes and files: do not squeeze the table into 80 columns
         console.width = 160
     return console
+
+
+def shows_progress(console: Any, args: argparse.Namespace) -> bool:
+    """Whether long work shows what it is doing: on a terminal, unless ``--quiet``."""
+    return bool(console.is_terminal) and not getattr(args, "quiet", False)
+
+
+@contextlib.contextmanager
+def working(console: Any, args: argparse.Namespace, text: str) -> Iterator[Callable[[str], None]]:
+    """A status line saying what a long command does now, updated through the function it
+    yields; nothing at all when piped or ``--quiet`` (:func:`shows_progress`)."""
+    if not shows_progress(console, args):
+        yield lambda _text: None
+        return
+    with console.status(text) as status:
+        yield lambda now: status.update(now)
 
 
 def fmt_bytes(value: int | None) -> str:

@@ -25,6 +25,8 @@ from ._inputs import (
     load_config,
     make_console,
     resolved_config,
+    shows_progress,
+    working,
 )
 
 __all__ = ["cmd_profile", "cmd_plan", "cmd_suggest"]
@@ -137,9 +139,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     model = create_model(args, args.device)
     console = make_console()
     shape = input_shape(args, model, console)
-    config = resolved_config(config, model, shape, args.batch_size, args.device, console)
+    config = resolved_config(config, model, shape, args.batch_size, args, console)
     x = input_for(shape, args.batch_size, args.device)
-    with Progress(console=console, transient=True) as progress:
+    quiet = not shows_progress(console, args)
+    with Progress(console=console, transient=True, disable=quiet) as progress:
         task = progress.add_task(f"profiling {args.model}", total=len(levels))
 
         def advance(entry: Any) -> None:
@@ -162,14 +165,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.floor:
         from ..measure.peak import physical_floor
 
-        with console.status(f"measuring the physical floor of {args.model}"):
+        with working(console, args, f"measuring the physical floor of {args.model}"):
             floor = physical_floor(model, x, output_loss)
         console.print(_floor_line(floor, result))
     planned: list[dict[str, Any]] = []
     if args.frontier:
         from ..tune.profiling import planner_frontier
 
-        with console.status(f"pricing the blocks of {args.model} for the per-block planner"):
+        with working(console, args, f"pricing the blocks of {args.model} for the planner"):
             planned = planner_frontier(model, x, config=config, loss_fn=output_loss)
         console.print(_frontier_table(result, planned))
     if args.json:
@@ -229,7 +232,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     console = make_console()
     small = max(2, args.batch_size // 4)
     shape = input_shape(args, model, console)
-    config = resolved_config(config, model, shape, args.batch_size, args.device, console)
+    config = resolved_config(config, model, shape, args.batch_size, args, console)
     x = input_for(shape, small, args.device)
     # suggest_level and plan_for_budget answer the same question: one set of arguments
     question: dict[str, Any] = {
@@ -238,7 +241,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         "margin": args.margin,
         "loss_fn": output_loss,
     }
-    suggestion = suggest_level(model, x, args.budget, **question)
+    with working(console, args, f"measuring {args.model} at each level"):
+        suggestion = suggest_level(model, x, args.budget, **question)
     from rich.table import Table
 
     table = Table(
@@ -261,7 +265,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     if args.uniform_only:
         return 0 if suggestion.fits else 1
 
-    result = plan_for_budget(model, x, args.budget, **question)
+    with working(console, args, f"planning {args.model} block by block"):
+        result = plan_for_budget(model, x, args.budget, **question)
     console.print(_plan_table(result, args.batch_size))
     console.print(result.explain())
     planned = _plan_report(result)

@@ -65,6 +65,9 @@ def _model_args(p: argparse.ArgumentParser, batch: int | None) -> None:
     )
     p.add_argument("--img-size", type=int, default=None, help="input height and width")
     p.add_argument("--config", default=None, help="a checkpoint config (.yaml/.yml/.json)")
+    p.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress display (none when piped either)"
+    )
 
 
 def _measuring_commands(sub: Any) -> None:
@@ -120,7 +123,15 @@ def _budget_commands(sub: Any) -> None:
     p.add_argument(
         "--batches", default="2,3,4", help="small batches measured (the third checks linearity)"
     )
-    p.add_argument("--steps", type=int, default=1, help="timed steps per batch (0: no timing)")
+    p.add_argument(
+        "--time",
+        choices=["modelled", "measured"],
+        default="modelled",
+        help="step times priced from the operators' shapes (no kernel runs), or timed real steps",
+    )
+    p.add_argument(
+        "--steps", type=int, default=1, help="timed steps per batch with --time measured (0: none)"
+    )
     p.add_argument("--margin", type=float, default=0.0, help="share of the budget kept free")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument(

@@ -9,6 +9,7 @@ peaks and its physical floor (``peak``), and the models, inputs and losses a ste
 public names are the meters, the record and the model specs.
 """
 
+from ._measure import StepMemory as StepMemory, step_memory as step_memory
 from ._memory import (
     PeakMemory as PeakMemory,
     SavedBytes as SavedBytes,
@@ -31,6 +32,8 @@ __all__ = [
     "SavedBytes",
     "PeakMemory",
     "Measurement",
+    "step_memory",
+    "StepMemory",
     "where_peak",
     "physical_floor",
     "PeakReport",

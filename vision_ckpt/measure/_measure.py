@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import statistics
 import time
@@ -30,6 +31,7 @@ from ..config.schema import CheckpointConfig
 from ..errors import VisionCkptError
 from ..regions._install import installed, reinstall
 from ..regions.apply import ConfigLike, apply as _apply_config, as_config
+from ._fake import FAKE_FROM, faked, value_dependent
 from ._memory import count_saved_bytes, format_bytes, track_peak_memory
 from ._record import Measurement
 
@@ -43,6 +45,9 @@ __all__ = [
     "FitCheck",
     "Meter",
     "meter_for",
+    "FakeMeter",
+    "tracked_step",
+    "step_memory",
     "measure_memory",
     "confirm_fits",
     "measure_flops",
@@ -254,7 +259,7 @@ class Meter(Protocol):
         ...
 
 
-def _tracked_step(
+def tracked_step(
     work: Workload,
     x: torch.Tensor,
     timeline: list[int] | None,
@@ -268,7 +273,8 @@ def _tracked_step(
     if optimizer is not None:
         roots.append(optimizer)
     recording = timeline is not None
-    with track_peak_memory(*roots, device=work.device, timeline=recording, probe=probe) as mem:
+    device = x.device
+    with track_peak_memory(*roots, device=device, timeline=recording, probe=probe) as mem:
         with count_saved_bytes(model) as saved:
             out = model(x)
         loss = work.loss_fn(out)
@@ -288,7 +294,7 @@ class _ByteMeter:
     name = "bytes"
 
     def read(self, work: Workload, x: torch.Tensor, timeline: list[int] | None) -> StepMemory:
-        return _tracked_step(work, x, timeline)
+        return tracked_step(work, x, timeline)
 
     def confirm(self, work: Workload, batch: int, budget: int) -> FitCheck | None:
         return None  # the prediction extrapolates this very count
@@ -326,7 +332,7 @@ class _AllocatorMeter:
         if timeline is not None:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        tracked = _tracked_step(work, x, timeline, self._peak_since_last_read)
+        tracked = tracked_step(work, x, timeline, self._peak_since_last_read)
         allocated, reserved = self._allocator_step(work, x)
         if timeline is not None and len(timeline) > start:
             # the warmed-up step's peak decides; the warm-up's per-operator readings are moved
@@ -353,22 +359,68 @@ class _AllocatorMeter:
         return FitCheck(batch, budget, step, reserved)
 
 
+class FakeMeter:
+    """The byte tracker's count of a step run on fake tensors (NOTE [ Counting a step without
+    kernels ] in ``_fake``): the real step's figure, without running a kernel.
+
+    >>> meter = FakeMeter(smallest=0)
+    >>> net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
+    >>> step = meter.read(Workload(net, torch.zeros(8, 64)), torch.zeros(8, 64), None)
+    >>> step.peak > 0, meter.fallback
+    (True, None)
+    """
+
+    name = "bytes"
+
+    def __init__(self, smallest: int = FAKE_FROM) -> None:
+        self.smallest = smallest
+        """The fewest batch elements counted on fakes; a smaller batch runs for real (NOTE
+        [ Counting a step without kernels ]: the same figure, sooner)."""
+        self.fallback: str | None = None
+        """Why the last step ran on real tensors instead (``None``: it ran on fakes)."""
+
+    def read(self, work: Workload, x: torch.Tensor, timeline: list[int] | None) -> StepMemory:
+        if x.numel() < self.smallest:
+            self.fallback = f"{x.numel()} input elements: a real step is quicker"
+            return tracked_step(work, x, timeline)
+        start = len(timeline) if timeline is not None else 0
+        try:
+            with faked(work.model, x, work.optimizer) as (fake_x, optimizer):
+                fake_work = dataclasses.replace(work, example=fake_x, optimizer=optimizer)
+                step = tracked_step(fake_work, fake_x, timeline)
+        except Exception as error:
+            if not value_dependent(error):
+                raise
+            self.fallback = (
+                f"the step depends on values ({type(error).__name__}): counted on a real step"
+            )
+            if timeline is not None:
+                del timeline[start:]
+            return tracked_step(work, x, timeline)
+        self.fallback = None
+        return step
+
+    def confirm(self, work: Workload, batch: int, budget: int) -> FitCheck | None:
+        return None  # the count is the tracker's own, which decides off CUDA
+
+
 def _uses_allocator(device: torch.device) -> bool:
     """Whether budgets on ``device`` are decided by the CUDA allocator."""
     return device.type == "cuda"
 
 
-def meter_for(device: torch.device | str) -> Meter:
+def meter_for(device: torch.device | str, *, fake: bool = True) -> Meter:
     """The meter that decides budgets on ``device``: the CUDA allocator on a CUDA device, the
-    byte tracker everywhere else (NOTE [ Two meters ]).
+    byte tracker everywhere else (NOTE [ Two meters ]), which counts a step on fake tensors
+    unless ``fake=False`` (NOTE [ Counting a step without kernels ] in ``_fake``).
 
-    >>> meter_for("cpu").name
-    'bytes'
+    >>> meter_for("cpu").name, type(meter_for("cpu")).__name__
+    ('bytes', 'FakeMeter')
     """
     dev = torch.device(device)
     if _uses_allocator(dev):
         return _AllocatorMeter(dev)
-    return _ByteMeter()
+    return FakeMeter() if fake else _ByteMeter()
 
 
 def measure_memory(
@@ -398,7 +450,21 @@ def confirm_fits(work: Workload, budget: int, batch: int | None = None) -> FitCh
 
 
 def measure_flops(work: Workload, x: torch.Tensor) -> int:
-    """FLOPs of the backward of one step on ``x`` (recomputation included)."""
+    """FLOPs of the backward of one step on ``x`` (recomputation included), counted from
+    shapes on fake tensors (NOTE [ Counting a step without kernels ] in ``_fake``), or on a
+    real step where the step depends on values."""
+    if x.numel() < FAKE_FROM:
+        return _backward_flops(work, x)
+    try:
+        with faked(work.model, x, work.optimizer) as (fake_x, _):
+            return _backward_flops(work, fake_x)
+    except Exception as error:
+        if not value_dependent(error):
+            raise
+        return _backward_flops(work, x)
+
+
+def _backward_flops(work: Workload, x: torch.Tensor) -> int:
     work.model.zero_grad(set_to_none=True)
     loss = work.loss_fn(work.model(x))
     with FlopCounterMode(display=False) as counter:
@@ -499,3 +565,43 @@ def model_restored(
         yield
     finally:
         snapshot.restore(model, optimizer)
+
+
+def step_memory(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    fake: bool = True,
+) -> StepMemory:
+    """The bytes of one training step of ``model`` on ``x`` with the checkpointing in force:
+    forward, loss, backward (recomputation included) and ``optimizer.step()`` if given.
+
+    With ``fake`` (the default) no kernel runs: the step runs on fake tensors and gives the byte
+    tracker's figure of the real step (NOTE [ Counting a step without kernels ] in ``_fake``);
+    ``fake=False`` runs it. Either way the model's weights, buffers, gradients and training
+    mode are left as they were. Off CUDA, ``peak`` is what a budget is decided on; on CUDA the
+    allocator holds more than the tensors (NOTE [ Two meters ]).
+
+    Args:
+        model: the model (its checkpointing, if applied, runs).
+        x: a batch, on the model's device.
+        loss_fn: the loss on the output (default: fitted to the output, as the CLI's).
+        optimizer: stepped too when given (its state counts).
+        fake: count without running kernels.
+
+    Returns:
+        The step's peak, activation and saved bytes.
+
+    >>> import timm
+    >>> net = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    >>> x = torch.randn(4, 3, 64, 64)
+    >>> step_memory(net, x) == step_memory(net, x, fake=False)
+    True
+    """
+    from .models import output_loss
+
+    work = Workload(model, x, loss_fn or output_loss, optimizer)
+    with model_restored(model, optimizer):  # a step that depends on values runs for real
+        return FakeMeter(smallest=0).read(work, x, None) if fake else tracked_step(work, x, None)

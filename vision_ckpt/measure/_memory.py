@@ -107,17 +107,48 @@ def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """The storage behind ``t``, or ``None`` for meta, sparse, empty or storage-less tensors."""
+    """The storage behind ``t``, or ``None`` for meta, sparse, empty or storage-less tensors.
+
+    A fake tensor (``FakeTensorMode``) reports the device it stands for and keeps a storage
+    on the meta device: that storage is counted like a real one (NOTE [ Fake storages ])."""
     if t.device.type == "meta":
         return None
     try:
         storage = t.untyped_storage()
-        storage.data_ptr()  # wrapper subclasses hand out an invalid storage that fails here
+        if storage.device.type != "meta":
+            storage.data_ptr()  # wrapper subclasses hand out an invalid storage that fails here
     except (RuntimeError, NotImplementedError):  # sparse, nested or storage-less subclasses
         return None
     if storage.nbytes() == 0:
         return None
     return storage
+
+
+# NOTE [ Fake storages ]
+#
+# Under ``FakeTensorMode`` no memory is allocated: a fake tensor's storage lives on the meta
+# device and has no address (reading ``data_ptr`` warns, and every one would read 0). It still is
+# one storage object per allocation, shared by views, with its size in bytes, created by the
+# operator that made it and released when the last tensor using it goes. So the meters key a
+# storage by its address when it has one and by the storage object's own identity
+# (``_cdata``, the C++ storage it wraps) when it is fake, and take the device from the tensor,
+# which reports the device it stands for. The rules of counting are the same for both, so a
+# step run on fake tensors gives the figure the same step gives on real ones.
+#
+# One operator differs: ``aten.lift_fresh`` hands a tensor that ``torch.tensor`` built outside
+# the dispatcher (a constant written into a mask, say) to the operators. On real tensors it
+# returns its argument, whose storage no operator created, so nothing is counted; under fake
+# tensors it returns a fake copy with a storage of its own. The tracker never counts its output.
+
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    """What identifies ``storage`` while it lives: its address, or for a fake tensor's storage
+    the C++ storage it wraps (NOTE [ Fake storages ])."""
+    if storage.device.type == "meta":
+        return int(storage._cdata)
+    return int(storage.data_ptr())
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,12 +244,12 @@ def count_saved_bytes(
 
 
 def _storage_pointers(exclude: tuple[Any, ...]) -> set[int]:
-    """Data pointers of the storages behind ``exclude`` (as :func:`track_peak_memory`'s roots)."""
+    """Keys of the storages behind ``exclude`` (as :func:`track_peak_memory`'s roots)."""
     excluded = set()
     for t in _root_tensors(exclude):
         storage = _storage_of(t)
         if storage is not None:
-            excluded.add(storage.data_ptr())
+            excluded.add(_storage_key(storage))
     return excluded
 
 
@@ -249,8 +280,8 @@ def _saved_bytes_pack_hook(
     pack.counts_kept_outputs = True  # type: ignore[attr-defined]  # NOTE [ Kept outputs on older torch ]
 
     def count(storage: torch.UntypedStorage | None, key: Hashable | None) -> None:
-        if storage is not None and storage.data_ptr() not in excluded:
-            ptr = storage.data_ptr()
+        if storage is not None and _storage_key(storage) not in excluded:
+            ptr = _storage_key(storage)
             known = seen.get(ptr)
             if known is None or known() is not storage:
                 seen[ptr] = weakref.ref(storage)
@@ -360,17 +391,18 @@ class _StorageTracker(TorchDispatchMode):
         # data_ptr -> (weak reference to the storage, bytes counted for it)
         self._live: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
 
-    def _wanted(self, storage: torch.UntypedStorage) -> bool:
+    def _wanted(self, dev: torch.device) -> bool:
+        """Whether storages of tensors on ``dev`` are counted (a fake tensor's storage is on
+        the meta device: its tensor's device decides, NOTE [ Fake storages ])."""
         if self.device is None:
             return True
-        dev = storage.device
         if dev.type != self.device.type:
             return False
         return self.device.index is None or dev.index == self.device.index
 
     def follow(self, storage: torch.UntypedStorage) -> bool:
         """Start counting ``storage``; return whether it was new to the tracker."""
-        ptr = storage.data_ptr()
+        ptr = _storage_key(storage)
         entry = self._live.get(ptr)
         if entry is not None and entry[0]() is storage:
             nbytes = storage.nbytes()
@@ -399,6 +431,8 @@ class _StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is _LIFT_FRESH:
+            return out  # NOTE [ Fake storages ]: it stands for its argument
         if isinstance(out, torch.Tensor):
             outputs: list[Any] = [out]
         elif isinstance(out, (tuple, list)):
@@ -411,9 +445,9 @@ class _StorageTracker(TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 continue
             storage = _storage_of(t)
-            if storage is None or not self._wanted(storage):
+            if storage is None or not self._wanted(t.device):
                 continue
-            ptr = storage.data_ptr()
+            ptr = _storage_key(storage)
             entry = self._live.get(ptr)
             if entry is None or entry[0]() is not storage:
                 if input_ptrs is None:
@@ -423,7 +457,7 @@ class _StorageTracker(TorchDispatchMode):
                             for plain in _plain_tensors(a):
                                 s = _storage_of(plain)
                                 if s is not None:
-                                    input_ptrs.add(s.data_ptr())
+                                    input_ptrs.add(_storage_key(s))
                 if ptr in input_ptrs:
                     continue  # a view of (or in-place result on) a storage from before entry
                 self.result.num_allocations += 1
@@ -482,7 +516,7 @@ def track_peak_memory(
     tracker = _StorageTracker(dev, result, probe)
     for t in _root_tensors(roots):
         storage = _storage_of(t)
-        if storage is not None and tracker._wanted(storage):
+        if storage is not None and tracker._wanted(t.device):
             tracker.follow(storage)
     result.start_bytes = result.peak_bytes = result.end_bytes = tracker.live_bytes
 

@@ -16,6 +16,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 
 from .._compat import TorchDispatchMode, tree_leaves
 from ..runtime._selective import flops_per_output
+from ._fake import FAKE_FROM, faked, value_dependent
 from ._measure import Workload, run_step
 
 __all__ = [
@@ -114,6 +116,8 @@ def moves_nothing(func: Any) -> bool:
     (True, False)
     """
     packet = getattr(func, "overloadpacket", None)
+    if getattr(func, "namespace", None) == "prim":
+        return True  # a query of metadata (fake tensors ask for their device through it)
     return bool(getattr(func, "is_view", False)) or packet is torch.ops.aten._unsafe_view
 
 
@@ -173,7 +177,21 @@ class ModelledClock(TorchDispatchMode):
 
 def modelled_step_seconds(work: Workload, x: torch.Tensor) -> float:
     """The modelled seconds of one training step on ``x``: forward, backward and whatever the
-    applied checkpointing recomputes (NOTE [ A modelled price ])."""
-    with ModelledClock(work.device.type) as clock:
-        run_step(work, x)
+    applied checkpointing recomputes (NOTE [ A modelled price ]). The price reads shapes only,
+    so the step runs on fake tensors (NOTE [ Counting a step without kernels ] in ``_fake``),
+    or for real where it depends on values; the model is left as it was either way."""
+    if x.numel() < FAKE_FROM:  # a real step is quicker and priced alike
+        with ModelledClock(work.device.type) as clock:
+            run_step(work, x)
+        return clock.seconds
+    try:
+        with faked(work.model, x, work.optimizer) as (fake_x, optimizer):
+            fake_work = dataclasses.replace(work, example=fake_x, optimizer=optimizer)
+            with ModelledClock(work.device.type) as clock:
+                run_step(fake_work, fake_x)
+    except Exception as error:
+        if not value_dependent(error):
+            raise
+        with ModelledClock(work.device.type) as clock:
+            run_step(work, x)
     return clock.seconds

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _compat
 from ..errors import CheckpointError
@@ -543,7 +544,10 @@ def lean_mlp_problem(module: nn.Module) -> str | None:
 
 
 def _plain(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, nn.Parameter)
+    """A tensor the lean MLP's operators see as they are: plain, a parameter, or a fake tensor
+    (a stand-in with a plain tensor's behaviour and no data: NOTE [ Counting a step without
+    kernels ] in ``vision_ckpt.measure._fake``)."""
+    return type(t) in (torch.Tensor, nn.Parameter) or isinstance(t, FakeTensor)
 
 
 def _functorch_running() -> bool:

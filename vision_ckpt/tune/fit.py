@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -45,12 +45,19 @@ from ..measure._measure import (
     model_restored,
 )
 from ..measure._memory import format_bytes
+from ..measure._price import modelled_step_seconds
 from ..measure._record import Measurement
 from ..measure.models import output_loss, own_switch as find_own_switch, parse_input_shape
 from ..runtime.wrapper import training_level
 from ._planner import level_signature
 
 __all__ = ["FitRow", "FitResult", "max_batch"]
+
+Clock = Literal["modelled", "measured"]
+"""How a row's step time is had: ``modelled`` prices the step's operators from their shapes
+(NOTE [ A modelled price ] in ``vision_ckpt.measure._price``: no kernel runs, the same on every
+run, and recomputation always costs more); ``measured`` times real steps (a median after a
+warm-up, which a busy machine can reorder)."""
 
 
 @dataclass
@@ -115,6 +122,8 @@ class FitResult:
     """Share of the budget kept free: a batch fits when ``peak * (1 + margin) <= budget``."""
     batches: tuple[int, ...]
     """The small batches measured."""
+    clock: str = "modelled"
+    """How the step times were had: ``modelled`` or ``measured`` (:data:`Clock`)."""
     rows: list[FitRow] = field(default_factory=list)
     _points: dict[str, _Points] = field(default_factory=dict, repr=False)
     """The measurements behind each measured row, to solve for another budget."""
@@ -192,13 +201,30 @@ def _per_sample(row: FitRow) -> float | None:
     return row.measurement.seconds_per_sample if row.measurement is not None else None
 
 
-def _measure(work: Workload, batches: Sequence[int], time_steps: int) -> _Points:
+@dataclass(frozen=True)
+class _How:
+    """How each small batch is measured: its times, and what is said before it runs."""
+
+    time_steps: int
+    clock: Clock
+    say: Callable[[str], None] | None = None
+
+
+def _measure(work: Workload, batches: Sequence[int], how: _How, label: str) -> _Points:
+    time_steps, clock = how.time_steps, how.clock
     points = _Points()
-    for b in batches:
+    for i, b in enumerate(batches):
+        if how.say is not None:
+            how.say(f"{label}: batch {b} ({i + 1} of {len(batches)})")
         x = work.batch(b)  # a storage of its own at every batch (see _measure.batch_of)
         timeline: list[int] = []
         step = measure_memory(work, x, timeline)
-        seconds = measure_time(work, x, time_steps) if time_steps else None
+        if not time_steps:
+            seconds = None
+        elif clock == "modelled":
+            seconds = modelled_step_seconds(work, x)
+        else:
+            seconds = measure_time(work, x, time_steps)
         points.steps.append(step.measurement(b, seconds))
         points.timelines.append(timeline)
     return points
@@ -307,10 +333,12 @@ def max_batch(
     loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     time_steps: int = 1,
+    clock: Clock = "modelled",
     linear_tolerance: float = 0.02,
     largest: int = 1 << 20,
     model_name: str | None = None,
     on_row: Callable[[FitRow], None] | None = None,
+    on_progress: Callable[[str], None] | None = None,
 ) -> FitResult:
     """The largest batch whose step peak fits ``budget``, at each training level.
 
@@ -336,11 +364,13 @@ def max_batch(
         loss_fn: the loss (default :func:`vision_ckpt.measure.models.output_loss`, fitted to
             the output).
         optimizer: if given, each step runs it too (its state counts).
-        time_steps: timed steps per batch (median, after a warm-up); 0 skips timing.
+        time_steps: timed steps per batch, ``measured`` clock (median after a warm-up); 0: none.
+        clock: ``modelled`` (default) or ``measured`` step times (:data:`Clock`).
         linear_tolerance: largest relative miss of the third batch's peak still called linear.
         largest: the largest batch considered.
         model_name: a name for the report.
-        on_row: called with each row as soon as it is measured (progress bars).
+        on_row: called with each row as soon as it is measured.
+        on_progress: called with what is measured next (``level 3: batch 4 (3 of 3)``).
 
     Returns:
         A :class:`FitResult`; ``best_level()`` is the level fitting the largest batch.
@@ -348,12 +378,12 @@ def max_batch(
     >>> import timm, vision_ckpt
     >>> model = timm.create_model("resnet18", pretrained=False, num_classes=10)
     >>> fit = vision_ckpt.tune.max_batch(model, (3, 32, 32), "256MiB", levels=[0, 5], time_steps=0)
-    >>> fit.row("level 5").max_batch > fit.row("level 0").max_batch > 8
-    True
-    >>> fit.row("own switch").label
-    'own switch (set_grad_checkpointing())'
+    >>> fit.row("level 5").max_batch > fit.row("level 0").max_batch > 8, fit.rows[-1].label
+    (True, 'own switch (set_grad_checkpointing())')
     """
-    shape, budget_bytes, small, chosen = _checked(input_shape, budget, margin, batches, levels)
+    shape, budget_bytes, small, chosen = _checked(
+        input_shape, budget, margin, batches, levels, clock
+    )
     device, example = _example_batch(model, shape, small[-1])
     result = FitResult(
         model=model_name or type(model).__name__,
@@ -362,12 +392,13 @@ def max_batch(
         budget_bytes=budget_bytes,
         margin=margin,
         batches=small,
+        clock=clock,
         _tolerance=linear_tolerance,
         _largest=largest,
     )
     work = Workload(model, example, loss_fn or output_loss, optimizer)
-    _fill_rows(result, work, config, chosen, include_own_switch, planner, time_steps, on_row)
-    return result
+    how = _How(time_steps, clock, on_progress)
+    return _fill_rows(result, work, config, chosen, include_own_switch, planner, how, on_row)
 
 
 def _checked(
@@ -376,9 +407,12 @@ def _checked(
     margin: float,
     batches: Sequence[int],
     levels: Iterable[int],
+    clock: str,
 ) -> tuple[tuple[int, ...], int, tuple[int, ...], list[int]]:
     """:func:`max_batch`'s arguments checked: the sample's shape, the budget in bytes, the
-    small batches and the levels, sorted."""
+    small batches and the levels, sorted (and the clock known)."""
+    if clock not in ("modelled", "measured"):
+        raise ConfigError(f"clock={clock!r} is not valid; expected 'modelled' or 'measured'")
     shape = parse_input_shape(input_shape) if isinstance(input_shape, str) else tuple(input_shape)
     if len(shape) not in (3, 4) or any(int(s) < 1 for s in shape):
         raise ConfigError(
@@ -412,12 +446,12 @@ def _fill_rows(
     chosen: list[int],
     include_own_switch: bool,
     planner: bool,
-    time_steps: int,
+    how: _How,
     on_row: Callable[[FitRow], None] | None,
-) -> None:
+) -> FitResult:
     """Measure :func:`max_batch`'s rows into ``result`` (levels, own switch, planner), solved
-    for its budget, margin, batches, largest batch and tolerance; each row goes to ``on_row``
-    as soon as it is measured."""
+    for its budget, margin, batches, largest batch and tolerance, and return it; each row goes
+    to ``on_row`` as soon as it is measured."""
     goal = result.budget_bytes / (1 + result.margin)
     small, largest, tolerance = result.batches, result._largest, result._tolerance
 
@@ -431,13 +465,14 @@ def _fill_rows(
     model, optimizer = work.model, work.optimizer
     with model_restored(model, optimizer):
         with applied(model, following_global(config)) as plan:
-            _level_rows(work, plan, chosen, small, time_steps, goal, largest, tolerance, add)
+            _level_rows(work, plan, chosen, small, how, goal, largest, tolerance, add)
         switch = find_own_switch(model) if include_own_switch else None
         if switch is not None:
-            add(*_switch_row(work, switch, small, time_steps, goal, largest, tolerance))
+            add(*_switch_row(work, switch, small, how, goal, largest, tolerance))
     if planner:
         example, loss = work.example, work.loss_fn
         add(_planner_row(result, model, example, config, result.margin, loss, optimizer))
+    return result
 
 
 def _level_rows(
@@ -445,7 +480,7 @@ def _level_rows(
     plan: Any,
     chosen: list[int],
     small: tuple[int, ...],
-    time_steps: int,
+    how: _How,
     goal: float,
     largest: int,
     tolerance: float,
@@ -461,7 +496,7 @@ def _level_rows(
             add(_copy(same, f"level {level}", level, _same(same)), None)
             continue
         with training_level(level):
-            points = _measure(work, small, time_steps)
+            points = _measure(work, small, how, f"level {level}")
         row = _row(f"level {level}", level, points, goal, largest, tolerance)
         seen[signature] = row
         add(row, points)
@@ -480,7 +515,7 @@ def _switch_row(
     work: Workload,
     switch: Any,
     small: tuple[int, ...],
-    time_steps: int,
+    how: _How,
     goal: float,
     largest: int,
     tolerance: float,
@@ -492,7 +527,7 @@ def _switch_row(
         note = f"the switch refused: {type(exc).__name__}: {exc}"
         return FitRow(label, None, None, note=note), None
     try:
-        points = _measure(work, small, time_steps)
+        points = _measure(work, small, how, label)
     finally:
         switch.disable()
     return _row(label, None, points, goal, largest, tolerance), points

@@ -1,0 +1,159 @@
+"""Training steps on fake tensors: a step's bytes without running a kernel.
+
+# NOTE [ Counting a step without kernels ]
+
+The byte tracker's figure (NOTE [ What track_peak_memory counts ] in ``_memory``) depends on the
+shapes, dtypes and devices of the storages a step creates and on the order in which they are
+created and released, never on the values in them. Under ``FakeTensorMode`` every operator
+works out its outputs' metadata and gives each new output a storage of the right size on the
+meta device, without running a kernel or taking memory; autograd, saved-tensor hooks, module
+hooks and the checkpoint core's recomputation run exactly as on real tensors. So the same step
+with the model's parameters, buffers and input swapped for fake tensors hands the tracker the
+same storages in the same order, and its figure is the real step's (``tests/test_fake_meter.py``
+holds them equal, byte for byte, for the bundled frontier presets at every level).
+
+What :func:`faked` swaps, and puts back on exit whatever happens: every parameter (one fake
+``Parameter`` per real one, so tied weights stay tied), every buffer, the input and the
+optimizer (one of the same class over the fake parameters, its state faked too, but for the
+scalar step counts it reads with ``.item()``: those are real copies). The model's
+modules, hooks and installed checkpointing are its own, so the plan that runs is the user's;
+its real parameters, buffers (BatchNorm's statistics) and gradients are never touched.
+
+Fake tensors can stand for a device the machine lacks, and a forward on fake CUDA tensors
+dispatches as on a GPU; but autograd's engine asks the CUDA driver about the device before it
+runs a node of a CUDA graph, so no backward runs on fake CUDA tensors without a GPU (seen on
+torch 2.14). A step is therefore counted on the device its model is on.
+
+One difference is known. Fake 3D convolutions give the weight's gradient another memory
+layout than the CPU kernel, so accumulating it into ``.grad`` copies it once more, for a moment:
+a weight's bytes at an instant far from the peak (``fake_line != real_line`` for MONAI's
+SwinUNETR, its peaks equal at every level).
+
+Counting on fakes costs a fixed overhead per operator (the fake tensors dispatch in Python),
+while a real operator costs what its tensors hold: on a batch of a few thousand elements (a
+test's 32-pixel images) a real step is quicker, on one of an image model's real batches the
+fake step is several times quicker. Since both give the same figure, the meter counts small
+batches on real steps (:data:`FAKE_FROM`, 2^17 elements: one 224-pixel RGB image is 150k).
+
+Where a step depends on values (an operator whose output's shape depends on data, ``.item()``,
+a Python branch on a tensor), fake tensors raise (:func:`value_dependent` tells); the fake
+meter in ``_measure`` then runs the real step and says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["FAKE_FROM", "faked", "value_dependent"]
+
+FAKE_FROM = 1 << 17
+"""The fewest batch elements a step is counted on fakes from; a smaller batch runs for real,
+which is quicker and gives the same figure (NOTE [ Counting a step without kernels ])."""
+
+
+def value_dependent(error: BaseException) -> bool:
+    """Whether ``error`` is fake tensors refusing a step that depends on values (a shape read
+    from data, ``.item()``, an operator without a fake implementation).
+
+    >>> value_dependent(RuntimeError("no"))
+    False
+    """
+    from torch._subclasses import fake_tensor
+
+    kinds = tuple(
+        getattr(fake_tensor, name)
+        for name in (
+            "DataDependentOutputException",
+            "DynamicOutputShapeException",
+            "UnsupportedOperatorException",
+            "UnsupportedFakeTensorException",
+        )
+        if hasattr(fake_tensor, name)
+    )
+    try:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    except ImportError:  # pragma: no cover - every supported torch has it
+        pass
+    else:
+        kinds += (GuardOnDataDependentSymNode,)
+    return isinstance(error, kinds)
+
+
+def _fake_optimizer(
+    optimizer: torch.optim.Optimizer,
+    fakes: dict[int, torch.nn.Parameter],
+    convert: Any,
+) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class and settings over the fake parameters, with its
+    state (moments, step counts) faked."""
+    groups = [
+        {**group, "params": [fakes[id(p)] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    fake = type(optimizer)(groups)  # type: ignore[call-arg]
+    for p, state in optimizer.state.items():
+        fake.state[fakes[id(p)]] = {k: _state_value(v, convert) for k, v in state.items()}
+    return fake
+
+
+def _state_value(value: Any, convert: Any) -> Any:
+    """An optimizer state entry on fakes. A step count (a CPU scalar, read with ``.item()`` for
+    the bias correction) stays a real copy: a fake has no value to read."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() == 0 and value.device.type == "cpu":
+        return value.detach().clone()
+    return convert(value)
+
+
+@contextlib.contextmanager
+def faked(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.optim.Optimizer | None]]:
+    """``model`` on fake tensors for the duration of the block (NOTE [ Counting a step without
+    kernels ]).
+
+    Yields the fake batch and optimizer; the model is the same object, its parameters and
+    buffers swapped for fakes until the block exits.
+
+    >>> net = torch.nn.Linear(4, 2)
+    >>> weight = net.weight
+    >>> with faked(net, torch.zeros(3, 4)) as (x, _):
+    ...     out = net(x)
+    >>> type(out).__name__, tuple(out.shape), net.weight is weight
+    ('FakeTensor', (3, 2), True)
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    fakes: dict[int, Any] = {}
+    convert = mode.from_tensor
+
+    try:
+        with mode:
+            for module in model.modules():
+                for table, wrap in ((module._parameters, True), (module._buffers, False)):
+                    for name, value in list(table.items()):
+                        if value is None:
+                            continue
+                        if id(value) not in fakes:
+                            fake = convert(value.detach())
+                            if wrap:
+                                fake = torch.nn.Parameter(fake, value.requires_grad)
+                            fakes[id(value)] = fake
+                        swapped.append((table, name, value))
+                        table[name] = fakes[id(value)]
+            fake_optimizer = None
+            if optimizer is not None:
+                fake_optimizer = _fake_optimizer(optimizer, fakes, convert)
+            yield convert(x), fake_optimizer
+    finally:
+        for table, name, value in reversed(swapped):
+            table[name] = value
