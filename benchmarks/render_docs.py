@@ -96,6 +96,15 @@ QUESTIONS = (
         ("fit",),
     ),
     Question(
+        "How long an answer takes",
+        "`bench_answers.py`: the commands a new user runs, each in a process of its own on "
+        "this 2-core machine, their wall seconds, and whether they answer what real steps "
+        "answered (`fit` against `fit/swinunetr_96`, `derive` against the same derivation on "
+        "real steps, in the same run). Bytes are counted on fake tensors (see "
+        "[cli.md](cli.md)).",
+        ("answers",),
+    ),
+    Question(
         "Every level of the six frontier presets at batch 8",
         "`bench_presets.py`: each level's step peak (storage meter, MB above the parameters) "
         "and the modules it checkpoints; the figures a change that keeps the plans must "
@@ -611,6 +620,7 @@ def _section(key: str, data: Any) -> list[str]:
         "compile_matrix": _compile_matrix_section,
         "presets_b8": _presets_section,
         "hf_switch": _hf_switch_section,
+        "answers": lambda data: [_bench_script("bench_answers").table(data)],
     }
     return special.get(key, _generic_section)(data)
 

@@ -20,12 +20,12 @@ from vision_ckpt.measure.models import output_loss
 
 # the six frontier presets, shrunk to run in seconds (the slow test runs them at full size)
 SMALL = [
-    ("resnet50", {}, 64),
-    ("convnext_atto", {}, 64),
-    ("vit_tiny_patch16_224", {"img_size": 64}, 64),
-    ("efficientnet_b0", {}, 64),
+    ("resnet50", {}, 32),
+    ("convnext_atto", {}, 64),  # at 32 px its last stage runs on 1x1 maps: see the NOTE
+    ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8}, 32),
+    ("efficientnet_b0", {}, 32),
     ("swin_tiny_patch4_window7_224", {"img_size": 64, "window_size": 4}, 64),
-    ("densenet121", {}, 64),
+    ("densenet121", {}, 32),
 ]
 FRONTIER = [
     "resnet50",
@@ -57,7 +57,7 @@ def _both(model: nn.Module, x: torch.Tensor) -> tuple[object, object, list[int],
 
 def _assert_every_level_equal(model: nn.Module, x: torch.Tensor, timelines: bool = True) -> None:
     """Peak, activation and saved bytes equal at every level; with ``timelines``, also the
-    live bytes after every operator (a 3D convolution's weight gradient takes one copy more on
+    live bytes after every operator (a convolution's weight gradient can take one copy more on
     fakes: NOTE [ Counting a step without kernels ])."""
     vision_ckpt.apply(model, vision_ckpt.CheckpointConfig(preset="auto"))
     for level in range(6):
@@ -73,7 +73,7 @@ def _assert_every_level_equal(model: nn.Module, x: torch.Tensor, timelines: bool
 def test_fake_bytes_equal_the_real_step_at_every_level(name, kwargs, px) -> None:
     torch.manual_seed(0)
     model = _regularised(name, **kwargs)
-    _assert_every_level_equal(model, torch.randn(8, 3, px, px))
+    _assert_every_level_equal(model, torch.randn(4, 3, px, px))
 
 
 @pytest.mark.parametrize(

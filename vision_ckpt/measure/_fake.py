@@ -24,10 +24,11 @@ dispatches as on a GPU; but autograd's engine asks the CUDA driver about the dev
 runs a node of a CUDA graph, so no backward runs on fake CUDA tensors without a GPU (seen on
 torch 2.14). A step is therefore counted on the device its model is on.
 
-One difference is known. Fake 3D convolutions give the weight's gradient another memory
-layout than the CPU kernel, so accumulating it into ``.grad`` copies it once more, for a moment:
-a weight's bytes at an instant far from the peak (``fake_line != real_line`` for MONAI's
-SwinUNETR, its peaks equal at every level).
+One difference is known. A fake convolution can give the weight's gradient another memory
+layout than the CPU kernel does (3D convolutions; 2D ones on 1x1 maps), and then accumulating
+it into ``.grad`` copies it once more, for a moment: a weight's bytes, at an instant far from
+the peak. The peaks agree (``tests/test_fake_meter.py``: MONAI's SwinUNETR at every level);
+the live bytes after each operator differ there by that copy.
 
 Counting on fakes costs a fixed overhead per operator (the fake tensors dispatch in Python),
 while a real operator costs what its tensors hold: on a batch of a few thousand elements (a
@@ -43,6 +44,7 @@ meter in ``_measure`` then runs the real step and says why.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -129,9 +131,7 @@ def faked(
     >>> type(out).__name__, tuple(out.shape), net.weight is weight
     ('FakeTensor', (3, 2), True)
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode, kept = _standing_in(model)
     swapped: list[tuple[dict[str, Any], str, Any]] = []
     fakes: dict[int, Any] = {}
     convert = mode.from_tensor
@@ -144,10 +144,7 @@ def faked(
                         if value is None:
                             continue
                         if id(value) not in fakes:
-                            fake = convert(value.detach())
-                            if wrap:
-                                fake = torch.nn.Parameter(fake, value.requires_grad)
-                            fakes[id(value)] = fake
+                            fakes[id(value)] = _fake_of(value, wrap, kept, convert)
                         swapped.append((table, name, value))
                         table[name] = fakes[id(value)]
             fake_optimizer = None
@@ -157,3 +154,52 @@ def faked(
     finally:
         for table, name, value in reversed(swapped):
             table[name] = value
+        for fake in fakes.values():
+            fake.grad = None  # the next step starts without them, as a real one does
+
+
+# NOTE [ One fake model per model ]
+#
+# Swapping a model's parameters and buffers for fakes costs as much as a third of a counted
+# step (one conversion per tensor). The tools count many steps of one model, so each model keeps
+# its fake mode and the fakes made for it (a weak reference: they go with the model), and a
+# parameter or buffer gets a new fake only when it is another tensor than last time or its
+# shape, strides, dtype, device or requires_grad changed. What a fake holds between steps is
+# metadata: its gradient is dropped when a step ends, and an in-place update of a buffer changes
+# no metadata of it.
+
+_STANDING_IN: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, dict[int, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _standing_in(model: torch.nn.Module) -> tuple[Any, dict[int, Any]]:
+    """The fake mode of ``model`` and the fakes made for its tensors (NOTE [ One fake model
+    per model ])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    found = _STANDING_IN.get(model)
+    if found is None:
+        found = _STANDING_IN[model] = (FakeTensorMode(allow_non_fake_inputs=True), {})
+    return found
+
+
+def _fake_of(value: torch.Tensor, wrap: bool, kept: dict[int, Any], convert: Any) -> Any:
+    """The fake standing in for ``value`` (a ``Parameter`` when ``wrap``), made anew unless the
+    one kept for it still matches it."""
+    look = (
+        tuple(value.shape),
+        value.stride(),
+        value.dtype,
+        value.device,
+        value.requires_grad,
+        wrap,
+    )
+    entry = kept.get(id(value))
+    if entry is not None and entry[0]() is value and entry[1] == look:
+        return entry[2]
+    fake = convert(value.detach())
+    if wrap:
+        fake = torch.nn.Parameter(fake, value.requires_grad)
+    kept[id(value)] = (weakref.ref(value), look, fake)
+    return fake

@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -45,6 +45,7 @@ __all__ = [
     "FitCheck",
     "Meter",
     "meter_for",
+    "on_fakes",
     "FakeMeter",
     "tracked_step",
     "step_memory",
@@ -359,6 +360,38 @@ class _AllocatorMeter:
         return FitCheck(batch, budget, step, reserved)
 
 
+_T = TypeVar("_T")
+
+
+def on_fakes(
+    fn: Callable[[Workload, torch.Tensor], _T],
+    work: Workload,
+    x: torch.Tensor,
+    smallest: int = FAKE_FROM,
+) -> tuple[_T, str | None]:
+    """``fn(work, x)`` with the model, optimizer and batch on fake tensors (NOTE [ Counting a
+    step without kernels ] in ``_fake``), and why it ran on real ones instead, or ``None``: a
+    batch of fewer than ``smallest`` elements runs real (quicker, the same figures), and so does
+    a step that depends on values (fake tensors refuse it, and it is run again for real).
+
+    >>> net = torch.nn.Linear(4, 2)
+    >>> on_fakes(lambda w, x: type(w.model(x)).__name__, Workload(net, torch.zeros(3, 4)),
+    ...          torch.zeros(3, 4), smallest=0)
+    ('FakeTensor', None)
+    """
+    if x.numel() < smallest:
+        return fn(work, x), f"{x.numel()} input elements: a real step is quicker"
+    try:
+        with faked(work.model, x, work.optimizer) as (fake_x, optimizer):
+            on = dataclasses.replace(work, example=fake_x, optimizer=optimizer)
+            return fn(on, fake_x), None
+    except Exception as error:
+        if not value_dependent(error):
+            raise
+        why = f"the step depends on values ({type(error).__name__}): counted on a real step"
+    return fn(work, x), why
+
+
 class FakeMeter:
     """The byte tracker's count of a step run on fake tensors (NOTE [ Counting a step without
     kernels ] in ``_fake``): the real step's figure, without running a kernel.
@@ -380,25 +413,15 @@ class FakeMeter:
         """Why the last step ran on real tensors instead (``None``: it ran on fakes)."""
 
     def read(self, work: Workload, x: torch.Tensor, timeline: list[int] | None) -> StepMemory:
-        if x.numel() < self.smallest:
-            self.fallback = f"{x.numel()} input elements: a real step is quicker"
-            return tracked_step(work, x, timeline)
         start = len(timeline) if timeline is not None else 0
-        try:
-            with faked(work.model, x, work.optimizer) as (fake_x, optimizer):
-                fake_work = dataclasses.replace(work, example=fake_x, optimizer=optimizer)
-                step = tracked_step(fake_work, fake_x, timeline)
-        except Exception as error:
-            if not value_dependent(error):
-                raise
-            self.fallback = (
-                f"the step depends on values ({type(error).__name__}): counted on a real step"
-            )
+
+        def step(on: Workload, batch: torch.Tensor) -> StepMemory:
             if timeline is not None:
-                del timeline[start:]
-            return tracked_step(work, x, timeline)
-        self.fallback = None
-        return step
+                del timeline[start:]  # a real step after a refused fake one starts afresh
+            return tracked_step(on, batch, timeline)
+
+        out, self.fallback = on_fakes(step, work, x, self.smallest)
+        return out
 
     def confirm(self, work: Workload, batch: int, budget: int) -> FitCheck | None:
         return None  # the count is the tracker's own, which decides off CUDA
@@ -451,17 +474,8 @@ def confirm_fits(work: Workload, budget: int, batch: int | None = None) -> FitCh
 
 def measure_flops(work: Workload, x: torch.Tensor) -> int:
     """FLOPs of the backward of one step on ``x`` (recomputation included), counted from
-    shapes on fake tensors (NOTE [ Counting a step without kernels ] in ``_fake``), or on a
-    real step where the step depends on values."""
-    if x.numel() < FAKE_FROM:
-        return _backward_flops(work, x)
-    try:
-        with faked(work.model, x, work.optimizer) as (fake_x, _):
-            return _backward_flops(work, fake_x)
-    except Exception as error:
-        if not value_dependent(error):
-            raise
-        return _backward_flops(work, x)
+    shapes on fake tensors where that is quicker (:func:`on_fakes`)."""
+    return on_fakes(_backward_flops, work, x)[0]
 
 
 def _backward_flops(work: Workload, x: torch.Tensor) -> int:

@@ -16,7 +16,6 @@ True
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -25,8 +24,7 @@ import torch
 
 from .._compat import TorchDispatchMode, tree_leaves
 from ..runtime._selective import flops_per_output
-from ._fake import FAKE_FROM, faked, value_dependent
-from ._measure import Workload, run_step
+from ._measure import Workload, on_fakes, run_step
 
 __all__ = [
     "ModelledClock",
@@ -178,20 +176,11 @@ class ModelledClock(TorchDispatchMode):
 def modelled_step_seconds(work: Workload, x: torch.Tensor) -> float:
     """The modelled seconds of one training step on ``x``: forward, backward and whatever the
     applied checkpointing recomputes (NOTE [ A modelled price ]). The price reads shapes only,
-    so the step runs on fake tensors (NOTE [ Counting a step without kernels ] in ``_fake``),
-    or for real where it depends on values; the model is left as it was either way."""
-    if x.numel() < FAKE_FROM:  # a real step is quicker and priced alike
+    so the step runs on fake tensors where that is quicker (``_measure.on_fakes``)."""
+
+    def priced(on: Workload, batch: torch.Tensor) -> float:
         with ModelledClock(work.device.type) as clock:
-            run_step(work, x)
+            run_step(on, batch)
         return clock.seconds
-    try:
-        with faked(work.model, x, work.optimizer) as (fake_x, optimizer):
-            fake_work = dataclasses.replace(work, example=fake_x, optimizer=optimizer)
-            with ModelledClock(work.device.type) as clock:
-                run_step(fake_work, fake_x)
-    except Exception as error:
-        if not value_dependent(error):
-            raise
-        with ModelledClock(work.device.type) as clock:
-            run_step(work, x)
-    return clock.seconds
+
+    return on_fakes(priced, work, x)[0]
