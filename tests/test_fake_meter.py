@@ -191,3 +191,32 @@ def test_fit_counts_on_fakes_says_what_it_measures_and_models_its_times() -> Non
     assert level5.measurement.seconds_per_sample > level0.measurement.seconds_per_sample
     with pytest.raises(vision_ckpt.ConfigError, match="clock='wall' is not valid"):
         vision_ckpt.tune.max_batch(model, (3, 32, 32), "256MiB", clock="wall")  # type: ignore[arg-type]
+
+
+class _Caching(nn.Module):
+    """Caches a tensor on first use, as rotary tables and attention masks are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.by_shape: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "table"):
+            self.table = torch.ones(8, device=x.device)
+        key = tuple(x.shape)
+        if key not in self.by_shape:
+            self.by_shape[key] = torch.full((8,), 2.0, device=x.device)
+        return self.layer(x) * self.table * self.by_shape[key]
+
+
+def test_what_a_fake_step_caches_in_a_module_is_taken_out_again() -> None:
+    model = _Caching()
+    x = torch.randn(4, 8)
+    step_memory(model, x)  # on fakes: the caches it fills would hold fakes
+    assert not hasattr(model, "table") and model.by_shape == {}
+    out = model(x)  # a real forward runs on real tensors again
+    assert type(out) is torch.Tensor and type(model.table) is torch.Tensor
+    step_memory(model, x)
+    assert type(model.table) is torch.Tensor
+    assert all(type(v) is torch.Tensor for v in model.by_shape.values())

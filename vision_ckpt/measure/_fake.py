@@ -36,6 +36,10 @@ test's 32-pixel images) a real step is quicker, on one of an image model's real 
 fake step is several times quicker. Since both give the same figure, the meter counts small
 batches on real steps (:data:`FAKE_FROM`, 2^17 elements: one 224-pixel RGB image is 150k).
 
+A forward may cache a tensor in its module (a mask, a rotary table, a dict of them by shape):
+on fakes it would cache a fake, and the next real forward would read it. So whatever a fake
+step leaves in a module's attributes, or in a list or dict attribute, is put back as it was.
+
 Where a step depends on values (an operator whose output's shape depends on data, ``.item()``,
 a Python branch on a tensor), fake tensors raise (:func:`value_dependent` tells); the fake
 meter in ``_measure`` then runs the real step and says why.
@@ -132,6 +136,7 @@ def faked(
     ('FakeTensor', (3, 2), True)
     """
     mode, kept = _standing_in(model)
+    attributes = {m: dict(vars(m)) for m in model.modules()}  # what a forward may cache
     swapped: list[tuple[dict[str, Any], str, Any]] = []
     fakes: dict[int, Any] = {}
     convert = mode.from_tensor
@@ -156,6 +161,31 @@ def faked(
             table[name] = value
         for fake in fakes.values():
             fake.grad = None  # the next step starts without them, as a real one does
+        _drop_cached_fakes(attributes)
+
+
+def _is_fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
+def _drop_cached_fakes(before: dict[torch.nn.Module, dict[str, Any]]) -> None:
+    """Undo what a forward on fakes cached in its modules (NOTE [ Counting a step without
+    kernels ]): an attribute that now holds a fake gets its old value back (or goes), and
+    fakes put into a list or dict attribute are taken out again."""
+    for module, old in before.items():
+        for name, value in list(vars(module).items()):
+            if _is_fake(value):
+                if name in old:
+                    setattr(module, name, old[name])
+                else:
+                    delattr(module, name)
+            elif isinstance(value, dict):
+                for key in [k for k, v in value.items() if _is_fake(v)]:
+                    del value[key]
+            elif isinstance(value, list) and any(_is_fake(v) for v in value):
+                value[:] = [v for v in value if not _is_fake(v)]
 
 
 # NOTE [ One fake model per model ]
