@@ -542,10 +542,18 @@ _ONE_LINE = {
 }
 
 
-def _gpu_check_section(data: dict) -> list[str]:
+_SUPERSEDED = {"gpu_check_h200": {"frontier": "gpu_frontier_h200"}}
+"""Sections of a gpu_check run that a newer run answers: a line naming it, not the table."""
+
+
+def _gpu_check_section(data: dict, key: str = "") -> list[str]:
     """gpu_check's own tables of a run (its headings two levels down); a section of
-    :data:`_ONE_LINE` in which no row failed as one line."""
+    :data:`_ONE_LINE` in which no row failed as one line, one a newer run answers
+    (:data:`_SUPERSEDED`) as one line naming it."""
     sections, passed = dict(data.get("sections", {})), []
+    for name, newer in _SUPERSEDED.get(key, {}).items():
+        if sections.pop(name, None):
+            passed.append(f"- `{name}`: its rows are in the JSON; the current run is `{newer}`")
     for name, (field, what) in _ONE_LINE.items():
         rows = sections.get(name, [])
         if rows and all(r.get(field, True) and not r.get("error") for r in rows):
@@ -603,7 +611,7 @@ def _section(key: str, data: Any) -> list[str]:
     rows = data.get("rows") if isinstance(data, dict) else data
     first = rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
     if isinstance(data, dict) and {"meta", "sections"} <= data.keys():
-        return _gpu_check_section(data)
+        return _gpu_check_section(data, key)
     if "prof_peak_mb" in first:
         return _frontier_section(data)
     if "above_mb" in first:
