@@ -80,6 +80,7 @@ __all__ = [
     "default_device",
     "KERNEL_SETTINGS",
     "functorch_running",
+    "is_fake_tensor",
     "features",
 ]
 
@@ -252,6 +253,17 @@ def default_device() -> torch.device | None:
 
 
 _peek_interpreter = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+
+
+def is_fake_tensor(value: object) -> bool:
+    """Whether ``value`` is a ``FakeTensor``: metadata standing in for a tensor, no data.
+
+    >>> is_fake_tensor(torch.zeros(1))
+    False
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
 
 
 def functorch_running() -> bool:

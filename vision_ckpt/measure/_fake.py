@@ -14,8 +14,9 @@ holds them equal, byte for byte, for the bundled frontier presets at every level
 
 What :func:`faked` swaps, and puts back on exit whatever happens: every parameter (one fake
 ``Parameter`` per real one, so tied weights stay tied), every buffer, the input and the
-optimizer (one of the same class over the fake parameters, its state faked too, but for the
-scalar step counts it reads with ``.item()``: those are real copies). The model's
+optimizer (one of the same class over the fake parameters, its state faked too; one that
+reads its step count with ``.item()``, as Adam's bias correction does, depends on values and
+is counted on a real step). The model's
 modules, hooks and installed checkpointing are its own, so the plan that runs is the user's;
 its real parameters, buffers (BatchNorm's statistics) and gradients are never touched.
 
@@ -53,6 +54,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from .._compat import is_fake_tensor
 
 __all__ = ["FAKE_FROM", "faked", "value_dependent"]
 
@@ -102,18 +105,10 @@ def _fake_optimizer(
     ]
     fake = type(optimizer)(groups)  # type: ignore[call-arg]
     for p, state in optimizer.state.items():
-        fake.state[fakes[id(p)]] = {k: _state_value(v, convert) for k, v in state.items()}
+        fake.state[fakes[id(p)]] = {
+            k: convert(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()
+        }
     return fake
-
-
-def _state_value(value: Any, convert: Any) -> Any:
-    """An optimizer state entry on fakes. A step count (a CPU scalar, read with ``.item()`` for
-    the bias correction) stays a real copy: a fake has no value to read."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if value.dim() == 0 and value.device.type == "cpu":
-        return value.detach().clone()
-    return convert(value)
 
 
 @contextlib.contextmanager
@@ -164,28 +159,22 @@ def faked(
         _drop_cached_fakes(attributes)
 
 
-def _is_fake(value: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(value, FakeTensor)
-
-
 def _drop_cached_fakes(before: dict[torch.nn.Module, dict[str, Any]]) -> None:
     """Undo what a forward on fakes cached in its modules (NOTE [ Counting a step without
     kernels ]): an attribute that now holds a fake gets its old value back (or goes), and
     fakes put into a list or dict attribute are taken out again."""
     for module, old in before.items():
         for name, value in list(vars(module).items()):
-            if _is_fake(value):
+            if is_fake_tensor(value):
                 if name in old:
                     setattr(module, name, old[name])
                 else:
                     delattr(module, name)
             elif isinstance(value, dict):
-                for key in [k for k, v in value.items() if _is_fake(v)]:
+                for key in [k for k, v in value.items() if is_fake_tensor(v)]:
                     del value[key]
-            elif isinstance(value, list) and any(_is_fake(v) for v in value):
-                value[:] = [v for v in value if not _is_fake(v)]
+            elif isinstance(value, list) and any(is_fake_tensor(v) for v in value):
+                value[:] = [v for v in value if not is_fake_tensor(v)]
 
 
 # NOTE [ One fake model per model ]

@@ -274,8 +274,7 @@ def tracked_step(
     if optimizer is not None:
         roots.append(optimizer)
     recording = timeline is not None
-    device = x.device
-    with track_peak_memory(*roots, device=device, timeline=recording, probe=probe) as mem:
+    with track_peak_memory(*roots, device=x.device, timeline=recording, probe=probe) as mem:
         with count_saved_bytes(model) as saved:
             out = model(x)
         loss = work.loss_fn(out)
@@ -392,7 +391,7 @@ def on_fakes(
     return fn(work, x), why
 
 
-class FakeMeter:
+class FakeMeter(_ByteMeter):
     """The byte tracker's count of a step run on fake tensors (NOTE [ Counting a step without
     kernels ] in ``_fake``): the real step's figure, without running a kernel.
 
@@ -402,8 +401,6 @@ class FakeMeter:
     >>> step.peak > 0, meter.fallback
     (True, None)
     """
-
-    name = "bytes"
 
     def __init__(self, smallest: int = FAKE_FROM) -> None:
         self.smallest = smallest
@@ -422,9 +419,6 @@ class FakeMeter:
 
         out, self.fallback = on_fakes(step, work, x, self.smallest)
         return out
-
-    def confirm(self, work: Workload, batch: int, budget: int) -> FitCheck | None:
-        return None  # the count is the tracker's own, which decides off CUDA
 
 
 def _uses_allocator(device: torch.device) -> bool:

@@ -280,15 +280,16 @@ def _saved_bytes_pack_hook(
     pack.counts_kept_outputs = True  # type: ignore[attr-defined]  # NOTE [ Kept outputs on older torch ]
 
     def count(storage: torch.UntypedStorage | None, key: Hashable | None) -> None:
-        if storage is not None and _storage_key(storage) not in excluded:
-            ptr = _storage_key(storage)
-            known = seen.get(ptr)
-            if known is None or known() is not storage:
-                seen[ptr] = weakref.ref(storage)
-                result.nbytes += storage.nbytes()
-                result.num_storages += 1
-                if key is not None:
-                    result.by_region[key] = result.by_region.get(key, 0) + storage.nbytes()
+        if storage is None:
+            return
+        ptr = _storage_key(storage)
+        known = seen.get(ptr)
+        if ptr not in excluded and (known is None or known() is not storage):
+            seen[ptr] = weakref.ref(storage)
+            result.nbytes += storage.nbytes()
+            result.num_storages += 1
+            if key is not None:
+                result.by_region[key] = result.by_region.get(key, 0) + storage.nbytes()
 
     return pack
 

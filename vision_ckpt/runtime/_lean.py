@@ -14,7 +14,6 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _compat
 from ..errors import CheckpointError
@@ -547,7 +546,7 @@ def _plain(t: torch.Tensor) -> bool:
     """A tensor the lean MLP's operators see as they are: plain, a parameter, or a fake tensor
     (a stand-in with a plain tensor's behaviour and no data: NOTE [ Counting a step without
     kernels ] in ``vision_ckpt.measure._fake``)."""
-    return type(t) in (torch.Tensor, nn.Parameter) or isinstance(t, FakeTensor)
+    return type(t) in (torch.Tensor, nn.Parameter) or _compat.is_fake_tensor(t)
 
 
 def _functorch_running() -> bool:
