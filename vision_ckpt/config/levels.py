@@ -12,7 +12,7 @@ from typing import Literal
 
 from ..errors import LevelError
 
-__all__ = ["Level", "parse_level", "is_checkpointed", "is_group", "Nesting", "NESTING_MODES"]
+__all__ = ["Level", "parse_level", "is_checkpointed", "Nesting", "NESTING_MODES"]
 
 
 class Level(enum.IntEnum):
@@ -101,17 +101,6 @@ def is_checkpointed(block_level: int, training_level: int) -> bool:
     (True, False, False)
     """
     return 1 <= block_level <= training_level
-
-
-def is_group(block_level: int) -> bool:
-    """Levels 4 and 5 name groups of layers (a stage, a stack, a trunk): recomputing one at once
-    would hold all of its layers' activations, so the layers inside stay checkpointed during
-    that recomputation whatever the nesting mode.
-
-    >>> is_group(3), is_group(4)
-    (False, True)
-    """
-    return block_level >= 4
 
 
 Nesting = Literal["auto", "all", "outermost"]

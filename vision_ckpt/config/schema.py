@@ -513,11 +513,13 @@ class CheckpointConfig(_Schema):
     nesting: Nesting = "auto"
     """What happens to checkpointed modules inside a checkpointed module while backward runs
     the outer one again. ``auto``: they are checkpointed again only where that lowers the peak
-    for little time: inside a group of layers (level 4-5, or ``segments``), and when they are
-    selective; a transformer layer or residual block (level 1-3) is recomputed as one piece.
-    ``all``: always (the lowest peak, inner blocks run once more per enclosing level).
-    ``outermost``: never, except inside groups (level 4-5 or ``segments``), whose recomputation
-    would otherwise hold all their layers at once: at most one extra forward per block."""
+    for little time: inside a group (a segment of a stack, or a region whose span holds several
+    fully checkpointed regions at the training level), and when they are selective; a residual
+    block with one checkpointed shortcut is recomputed as one piece. ``all``: always (the
+    lowest peak, inner blocks run once more per enclosing level). ``outermost``: never, except
+    inside groups, whose recomputation would otherwise hold all their layers at once: at most
+    one extra forward per block. The level numbers do not enter: a group is what its span
+    holds (NOTE [ Nesting ] in ``vision_ckpt.runtime.wrapper``)."""
 
     preserve_rng_state: bool = True
     """Stash and restore the RNG state around each checkpointed module, so that dropout and

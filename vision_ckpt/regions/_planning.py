@@ -393,20 +393,23 @@ def _runs_take_over(model: nn.Module, entries: tuple[PlanEntry, ...]) -> tuple[P
 
 
 def _holds_several(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
-    """Give every entry the training levels at which two or more fully checkpointed entries
-    sit directly inside it (no eligible entry between them)."""
+    """Give every entry the training levels at which its span holds several fully checkpointed
+    entries: two or more directly inside it (no eligible entry between them), or one that
+    itself holds several (NOTE [ Nesting ])."""
     holds: dict[str, set[int]] = {}
     for level in range(1, 6):
         rungs = {e.name: r for e in entries if (r := e.rung_at(level)) is not None}
-        count: dict[str, int] = {}
+        inside: dict[str, list[str]] = {}
         for name, rung in rungs.items():
             if rung.selective:
                 continue
             parent = _nearest(name, rungs)
             if parent is not None:
-                count[parent] = count.get(parent, 0) + 1
-        for parent, n in count.items():
-            if n >= 2:
+                inside.setdefault(parent, []).append(name)
+        # Deepest first, so that a region holding one region knows whether that one is a group.
+        for parent in sorted(inside, key=lambda n: -n.count(".") - (n != "")):
+            held = inside[parent]
+            if len(held) >= 2 or level in holds.get(held[0], ()):
                 holds.setdefault(parent, set()).add(level)
     return tuple(
         replace(e, holds_several=frozenset(holds[e.name])) if e.name in holds else e

@@ -38,24 +38,28 @@ recomputation take the same decisions and save the same tensors. ``plan()``
 (``_plan_record.decide``) computes the same decisions without running the model; both apply the
 rule in ``nests``.
 
+A group is a property of a region's span, never of its level number: a segment of a stack (an
+``nn.Sequential``'s segments, a group of a ``ModuleList``'s layers: ``Rung.group``), or, in a
+plan, a region whose span holds several fully checkpointed regions at the training level: two
+or more directly inside it, or one that itself holds several (``Policy.holds_several``, from
+``_planning``; a stage of one block of several layers is a group, a stage of one plain block is
+not, and recomputing it whole holds what nesting would, for one forward less). A hand-placed
+wrapper has no plan and cannot see what its function calls, so it is a group only as a segment.
+
 - ``all``: every eligible region inside an eligible region is checkpointed too. The outer
   recomputation keeps only the inner regions' inputs (lower backward peak), and each inner block
   runs once more per enclosing region (three forwards for a block two regions deep).
 - ``outermost``: an eligible region inside a running region calls its function directly (each
-  block runs at most twice), *except* inside a group: a region of level 4-5 or a segment of a
-  stack. Recomputing a group at once would hold all of its layers' activations, which is the
+  block runs at most twice), *except* inside a group. Recomputing a group at once would hold all of its layers' activations, which is the
   peak of no checkpointing at all for a whole-trunk region; keeping its layers checkpointed
   bounds that recomputation by their inputs. So no level's peak exceeds the peak of a level
   below it merely because a group swallowed the regions of that level.
 - ``auto`` (the config default): as ``outermost``, and a *selective* region is checkpointed
   inside any running region, because redoing its cheap operators once more costs little while
-  keeping its pointwise outputs out of the outer recomputation. A region that directly holds
-  two or more fully checkpointed regions at the training level (a Swin or ViT layer with its
-  attention and MLP) also counts as a group at that level: recomputed in one piece it would
-  hold both at once, a higher peak than the level below, which recomputed them one at a time
-  (measured on Swin-T, batch 8: 349 MB against 325 MB at level 2; 296 MB nested). With one
-  such region inside (a residual block and its shortcut) the extra forward buys too little,
-  and the region is recomputed in one piece.
+  keeping its pointwise outputs out of the outer recomputation. A transformer layer holding its
+  attention and MLP regions is a group: recomputed in one piece it would hold both at once, a
+  higher peak than the level below, which recomputed them one at a time. A residual block
+  holding one region (its shortcut) is not: the extra forward buys too little.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
-from ..config.levels import NESTING_MODES, Level, Nesting, is_checkpointed, is_group, parse_level
+from ..config.levels import NESTING_MODES, Level, Nesting, is_checkpointed, parse_level
 from ..config.schema import KeepOps
 from ..errors import ConfigError
 from . import _chain, _core, _frame, _traced
@@ -315,8 +319,11 @@ class ActivationCheckpointing(nn.Module):
             follows the global one (:func:`set_training_level`, :func:`training_level`).
         nesting: what to do when called inside another checkpointed region: ``"all"``
             (default) checkpoint again, so the outer region's recomputation holds only this
-            one's inputs; ``"auto"`` only inside a group (level 4-5); ``"outermost"`` never
-            outside groups. See NOTE [ Nesting ].
+            one's inputs; ``"auto"`` only inside a group (a segment of
+            :func:`checkpoint_sequential`, or a module of a plan whose span holds several
+            regions), or when selective; ``"outermost"`` never outside groups. A wrapper cannot
+            see what its function will call, so it is a group only as a segment: hence
+            ``"all"`` here and ``"auto"`` in a config. See NOTE [ Nesting ].
         preserve_rng_state: stash and restore the RNG state so dropout and drop-path give exact
             gradients.
         context_fn: passed to the core, e.g. a selective-checkpoint policy made with
@@ -442,8 +449,9 @@ class Rung:
 
     @property
     def group(self) -> bool:
-        """Whether the region is a group of layers (see NOTE [ Nesting ])."""
-        return is_group(self.level) or self.segments is not None
+        """Whether the span is a group of a stack's layers (segments of a Sequential, or a
+        group of a ModuleList's layers): a group whatever it holds (NOTE [ Nesting ])."""
+        return self.segments is not None
 
     @property
     def layer_group_run(self) -> bool:
