@@ -50,9 +50,10 @@ wrapper has no plan and cannot see what its function calls, so it is a group onl
   recomputation keeps only the inner regions' inputs (lower backward peak), and each inner block
   runs once more per enclosing region (three forwards for a block two regions deep).
 - ``outermost``: an eligible region inside a running region calls its function directly (each
-  block runs at most twice), *except* inside a group. Recomputing a group at once would hold all of its layers' activations, which is the
-  peak of no checkpointing at all for a whole-trunk region; keeping its layers checkpointed
-  bounds that recomputation by their inputs. So no level's peak exceeds the peak of a level
+  block runs at most twice), *except* inside a group. Recomputing a group at once would hold
+  all of its layers' activations, which is the peak of no checkpointing at all for a
+  whole-trunk region; keeping its layers checkpointed bounds that recomputation by their
+  inputs. So no level's peak exceeds the peak of a level
   below it merely because a group swallowed the regions of that level.
 - ``auto`` (the config default): as ``outermost``, and a *selective* region is checkpointed
   inside any running region, because redoing its cheap operators once more costs little while
