@@ -7,8 +7,8 @@ imports only the package's base modules (``errors``), pydantic and PyYAML; the s
 and matching import no torch, so a config validates where torch is absent. Everything above it
 reads configs through these names.
 
-Its public names: the schema (``CheckpointConfig``, ``LevelRule``, ``KeepOps``, the preset
-file's ``PresetFile`` and ``PresetFamily``, ``parse_memory_budget``) and the level contract
+Its public names: the schema (``CheckpointConfig``, ``LevelRule``, ``KeepOps``, ``Region``, the
+preset file's ``PresetFile`` and ``PresetFamily``, ``parse_memory_budget``) and the level contract
 (``Level``, ``parse_level``, ``is_checkpointed``). The preset registry needs torch and is its
 own public module, :mod:`vision_ckpt.config.presets` (``list_presets``, ``load_preset``,
 ``register_preset``, ``preset_for_model``, ``preset_rules``, ``fallback_rules``, ...).
@@ -29,6 +29,7 @@ from .schema import (
     LevelRule as LevelRule,
     PresetFamily as PresetFamily,
     PresetFile as PresetFile,
+    Region as Region,
     parse_memory_budget as parse_memory_budget,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "KeepOps",
     "PresetFile",
     "PresetFamily",
+    "Region",
     "parse_memory_budget",
     "Level",
     "parse_level",

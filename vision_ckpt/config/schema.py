@@ -33,6 +33,7 @@ import difflib
 import json
 import re
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -58,6 +59,7 @@ __all__ = [
     "LevelRule",
     "PresetFamily",
     "PresetFile",
+    "Region",
     "parse_memory_budget",
 ]
 
@@ -294,6 +296,53 @@ Keep = Annotated[
 :class:`KeepOps` keys."""
 
 
+@dataclass(frozen=True)
+class Region:
+    """A region: a span and what it keeps. The one type from rule to runtime: a rule makes one
+    of each module it selects (:attr:`LevelRule.region`), the plan gives it a level
+    (``Rung.region``), and the installed forward runs it.
+
+    >>> print(Region(), Region(keep=KeepOps(below=40)), Region(through="maxpool"))
+    full keep heavy<40 full through maxpool
+    """
+
+    keep: KeepOps | None = None
+    """What the region keeps besides its inputs (a rule's ``keep``): ``None``, nothing (the
+    span is recomputed whole); else the outputs of some operators."""
+    segments: int | Literal["auto"] | None = None
+    """Span: for a stack of layers, consecutive groups of this many layers (``auto``: about
+    sqrt(n)) instead of the whole stack."""
+    through: str | None = None
+    """Span: the last of a run of sibling modules recomputed with this one as one region;
+    ``None``: the module alone."""
+    offload: bool = False
+    """The region's CUDA inputs wait in pinned host memory (a rule's ``offload``)."""
+
+    @property
+    def selective(self) -> bool:
+        """Whether the region keeps some operators' outputs (else it keeps nothing)."""
+        return self.keep is not None
+
+    @property
+    def group(self) -> bool:
+        """Whether the span is a group of a stack's layers (segments of a Sequential, or a
+        group of a ModuleList's layers): a group whatever it holds (NOTE [ Nesting ] in
+        ``vision_ckpt.runtime.wrapper``)."""
+        return self.segments is not None
+
+    def __str__(self) -> str:
+        text = "segments" if self.segments is not None else "full"
+        if self.keep is not None:
+            text = f"keep {self.keep}"
+        if self.offload:
+            text = "offload"
+        if self.through is not None:
+            text += f" through {self.through}"
+        if self.segments not in (None, "auto"):
+            text += f"/{self.segments}"
+        return text
+
+
 class LevelRule(_Schema):
     """One rule: the modules it selects, the level they get, and the region each becomes.
 
@@ -435,19 +484,25 @@ class LevelRule(_Schema):
         return self
 
     @property
-    def way(self) -> tuple[Any, ...]:
-        """What the rule makes of a module it selects: ``("none",)`` (level 0), ``("lean",)``, or
-        ``("region", keep, offload, segments, through)``. A module keeps one rung per way: a
-        later rule of the same way replaces an earlier one at any level (``apply.plan``).
+    def region(self) -> Region | None:
+        """The region the rule makes of each module it selects; ``None`` for a rule of level 0
+        or a ``lean`` one, which make none.
 
-        >>> LevelRule(match="blocks.*", level=2, keep="heavy").way
-        ('region', KeepOps(ops='heavy', below=None), False, None, None)
+        >>> print(LevelRule(match="blocks.*", level=2, keep="heavy").region)
+        keep heavy
         """
+        if self.level == 0 or self.lean:
+            return None
+        return Region(self.keep, self.segments, self.through, self.offload)
+
+    @property
+    def way(self) -> Region | str:
+        """What the rule makes of a module it selects: ``"none"`` (level 0), ``"lean"``, or its
+        region. A module keeps one rung per way: a later rule of the same way replaces an
+        earlier one at any level (``apply.plan``)."""
         if self.level == 0:
-            return ("none",)
-        if self.lean:
-            return ("lean",)
-        return ("region", self.keep, self.offload, self.segments, self.through)
+            return "none"
+        return "lean" if self.lean else Region(self.keep, self.segments, self.through, self.offload)
 
     def _region_keys(self) -> list[str]:
         keys = [f"keep={self.keep}"] if self.keep is not None else []

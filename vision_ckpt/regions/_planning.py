@@ -21,7 +21,7 @@ from torch import nn
 
 from ..config.levels import Level
 from ..config.matching import ModuleMatcher, later_siblings, qualified_class_name
-from ..config.schema import CheckpointConfig, LevelRule
+from ..config.schema import CheckpointConfig, LevelRule, Region
 from ..errors import ConfigError
 from ..runtime._lean import lean_mlp_problem
 from ..runtime._selective import SaveOps
@@ -156,29 +156,35 @@ def _check_plannable(cfg: CheckpointConfig) -> None:
 
 @dataclass(frozen=True)
 class _Way:
-    """One way a rule makes of a module: the rule (its level, keep and flags, and the plan's
-    text), where it came from, and the span of its region: the rule's own, or one group of a
-    ModuleList's layers run from its first through its last (NOTE [ Groups of a ModuleList ]),
-    which no rule of a file can spell."""
+    """One way a rule makes of a module: the rule (its level, flags and the plan's text), where
+    it came from, and its region: the rule's own, or one group of a ModuleList's layers run
+    from its first through its last (NOTE [ Groups of a ModuleList ]), which no rule of a file
+    can spell; ``None`` for level 0 and lean."""
 
     rule: LevelRule
     origin: str
-    through: str | None
-    segments: int | Literal["auto"] | None
+    region: Region | None
 
     @classmethod
     def of(cls, rule: LevelRule, origin: str) -> _Way:
-        return cls(rule, origin, rule.through, rule.segments)
+        return cls(rule, origin, rule.region)
 
     @property
-    def key(self) -> tuple[Any, ...]:
+    def through(self) -> str | None:
+        return None if self.region is None else self.region.through
+
+    @property
+    def segments(self) -> int | Literal["auto"] | None:
+        return None if self.region is None else self.region.segments
+
+    @property
+    def key(self) -> Region | str:
         """What the way makes of the module (``LevelRule.way``), with the group's span in place
         of the rule's for a ModuleList's group."""
-        way = self.rule.way
-        return way if way[0] != "region" else (*way[:3], self.segments, self.through)
+        return self.rule.way if self.region is None else self.region
 
 
-_Ways = dict[str, dict[tuple[Any, ...], _Way]]
+_Ways = dict[str, dict[Region | str, _Way]]
 """Per module, per way of checkpointing it (a region's span and keep, or lean): the last rule
 that set it."""
 
@@ -257,7 +263,7 @@ def _add_way(decided: _Ways, name: str, way: _Way) -> None:
         decided[name] = {way.key: way}
     else:
         ways = decided.setdefault(name, {})
-        ways.pop(("none",), None)
+        ways.pop("none", None)
         # a lean rule replaces the module's other lean rule; a region's rule replaces the
         # regions' rules of its level (a lean level is not a region's)
         lean = rule.lean
@@ -297,32 +303,24 @@ def _group_runs(
     with the way it starts: a run through the group's last layer, marked by the rule's
     ``segments``, or the layer alone in a group of one (NOTE [ Groups of a ModuleList ])."""
     children = list(model.get_submodule(name)._modules)
-    size = segment_size(Rung(rule.level, segments=rule.segments), len(children))
+    size = segment_size(Rung(rule.level, Region(segments=rule.segments)), len(children))
     out = []
     for start in range(0, len(children), size):
         group = children[start : start + size]
         first = f"{name}.{group[0]}" if name else group[0]
-        if len(group) == 1:
-            out.append((first, _Way(rule, origin, None, None)))
-        else:
-            out.append((first, _Way(rule, origin, group[-1], rule.segments)))
+        region = rule.region
+        if region is not None:  # a level-0 rule clears the group's first layer either way
+            alone = len(group) == 1
+            region = replace(region, segments=None if alone else region.segments)
+            region = replace(region, through=None if alone else group[-1])
+        out.append((first, _Way(rule, origin, region)))
     return out
 
 
-def _entry(name: str, class_name: str, ways: dict[tuple[Any, ...], _Way]) -> PlanEntry:
+def _entry(name: str, class_name: str, ways: dict[Region | str, _Way]) -> PlanEntry:
     """The plan entry of one module from the ways that decided its rungs."""
     used = sorted(ways.values(), key=lambda w: int(w.rule.level))
-    rungs = tuple(
-        Rung(
-            w.rule.level,
-            keep=w.rule.keep,
-            segments=w.segments,
-            through=w.through,
-            offload=w.rule.offload,
-        )
-        for w in used
-        if w.rule.level > 0 and not w.rule.lean
-    )
+    rungs = tuple(Rung(w.rule.level, w.region) for w in used if w.region is not None)
     lean = next((w.rule.level for w in used if w.rule.level > 0 and w.rule.lean), None)
     levels = [r.level for r in rungs] + ([lean] if lean is not None else [])
     return PlanEntry(
@@ -588,11 +586,11 @@ def _lean_hits(
 def _check_lean(decided: _Ways) -> None:
     """A lean module's forward calls none of its children's: none may have a rule (a lean
     member of a run: ``_check_runs``)."""
-    lean = {n: ways for n, ways in decided.items() if ("lean",) in ways}
+    lean = {n: ways for n, ways in decided.items() if "lean" in ways}
     for name, ways in lean.items():
         inner = [n for n in decided if is_ancestor(name, n) and ("none",) not in decided[n]]
         if inner:
-            rule, origin = ways[("lean",)].rule, ways[("lean",)].origin
+            rule, origin = ways["lean"].rule, ways["lean"].origin
             other = next(iter(decided[inner[0]].values()))
             r, o = other.rule, other.origin
             raise ConfigError(

@@ -78,7 +78,7 @@ import torch
 from torch import nn
 
 from ..config.levels import NESTING_MODES, Level, Nesting, is_checkpointed, parse_level
-from ..config.schema import KeepOps
+from ..config.schema import KeepOps, Region
 from ..errors import ConfigError
 from . import _chain, _core, _frame, _traced
 from ._selective import bind_region
@@ -412,26 +412,19 @@ class ActivationCheckpointing(nn.Module):
 
 @dataclass(frozen=True)
 class Rung:
-    """One region of a module, from a level on (a module may have several): its span, what it
-    keeps, and when it applies. What ``plan()`` decides (``PlanEntry.rungs``, with no
+    """One :class:`~vision_ckpt.config.Region` of a module from a level on (a module may have
+    several), and when it applies. What ``plan()`` decides (``PlanEntry.rungs``, with no
     ``context_fn``) and what an installed forward runs (the same rung with its ``context_fn``).
 
-    >>> print(Rung(Level.SMALL_BLOCK), Rung(Level.STAGE, through="maxpool", until=Level(5)))
+    >>> print(Rung(Level.SMALL_BLOCK), Rung(Level.STAGE, Region(through="maxpool"), until=Level(5)))
     full 2 full through maxpool 4 only
     """
 
     level: Level
     """The lowest training level at which this rung applies (1-5)."""
-    keep: KeepOps | None = None
-    """What the region keeps besides its inputs (a rule's ``keep``): ``None``, nothing (the
-    span is recomputed whole); else the outputs of some operators, which ``context_fn`` keeps
-    when the rung is installed."""
-    segments: int | Literal["auto"] | None = None
-    """Span: for a stack of layers, consecutive groups of this many layers (``auto``: about
-    sqrt(n)) instead of the whole stack."""
-    through: str | None = None
-    """Span: the last of a run of sibling modules checkpointed with this one as one region
-    (see :class:`ChainCall`); ``None``: the module alone."""
+    region: Region = Region()
+    """The span and what it keeps; a selective one's operators are kept by ``context_fn`` when
+    the rung is installed."""
     context_fn: Callable[[], tuple[Any, Any]] | None = None
     """Passed to the core (what a region that keeps operator outputs keeps), or ``None``."""
     until: Level | None = None
@@ -439,20 +432,36 @@ class Rung:
     region inside it that keeps nothing starts (NOTE [ Selective regions step aside ]), a later
     member's of a run where the run starts (NOTE [ Runs take over ] in ``_planning.py``); ``None``:
     it applies at every level from ``level`` on."""
-    offload: bool = False
-    """A region whose CUDA inputs are kept in pinned host memory (a rule's ``offload``,
-    NOTE [ Offloaded inputs ] in ``_saved_inputs``); under torch.compile it is a plain region."""
+
+    @property
+    def keep(self) -> KeepOps | None:
+        """The region's ``keep``."""
+        return self.region.keep
+
+    @property
+    def segments(self) -> int | Literal["auto"] | None:
+        """The region's ``segments``."""
+        return self.region.segments
+
+    @property
+    def through(self) -> str | None:
+        """The region's ``through``."""
+        return self.region.through
+
+    @property
+    def offload(self) -> bool:
+        """The region's ``offload``."""
+        return self.region.offload
 
     @property
     def selective(self) -> bool:
-        """Whether the region keeps some operators' outputs (else it keeps nothing)."""
-        return self.keep is not None
+        """The region's ``selective``."""
+        return self.region.selective
 
     @property
     def group(self) -> bool:
-        """Whether the span is a group of a stack's layers (segments of a Sequential, or a
-        group of a ModuleList's layers): a group whatever it holds (NOTE [ Nesting ])."""
-        return self.segments is not None
+        """The region's ``group``."""
+        return self.region.group
 
     @property
     def layer_group_run(self) -> bool:
@@ -464,16 +473,7 @@ class Rung:
     def what(self) -> str:
         """The region in words, without its levels: ``full``, ``keep heavy<40``, ``full through
         maxpool``, ``segments/2``, ``offload``."""
-        text = "segments" if self.segments is not None else "full"
-        if self.keep is not None:
-            text = f"keep {self.keep}"
-        if self.offload:
-            text = "offload"
-        if self.through is not None:
-            text += f" through {self.through}"
-        if self.segments not in (None, "auto"):
-            text += f"/{self.segments}"
-        return text
+        return str(self.region)
 
     def __str__(self) -> str:
         text = self.what
@@ -757,7 +757,7 @@ def note_run_broken_traced(label: str, key: str, name: str, reason: str) -> None
 def segment_size(rung: Rung, n: int) -> int:
     """How many of ``n`` layers one segment of ``rung`` holds.
 
-    >>> segment_size(Rung(Level.LARGE_MODULE, segments="auto"), 16)
+    >>> segment_size(Rung(Level.LARGE_MODULE, Region(segments="auto")), 16)
     4
     """
     if rung.segments == "auto":
