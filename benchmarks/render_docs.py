@@ -546,6 +546,50 @@ _SUPERSEDED = {"gpu_check_h200": {"frontier": "gpu_frontier_h200"}}
 """Sections of a gpu_check run that a newer run answers: a line naming it, not the table."""
 
 
+def _memory_line(rows: list[dict]) -> str | None:
+    """The memory section as one line (its rows, the range of predicted over measured) when
+    no row failed; ``None`` to show the table."""
+    ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
+    if not rows or len(ratios) < len(rows) or any(r.get("error") for r in rows):
+        return None
+    models = len({r["model"] for r in rows})
+    return (
+        f"- `memory` (the predicted peak against the allocator's, levels 0-5): {len(rows)} rows "
+        f"of {models} models, none failed; predicted / measured {min(ratios):.3f}-"
+        f"{max(ratios):.3f}"
+    )
+
+
+def _frontier_pivot(rows: list[dict]) -> list[str] | None:
+    """gpu_check's frontier rows as one line per model: each variant's allocated peak over
+    eager level 0's and its time ratio, a failed variant as ``failed`` with its error below."""
+    if not rows:
+        return None
+    variants = [v for v in dict.fromkeys(r["variant"].split(" ")[0] for r in rows) if v != "L0"]
+    lines = [
+        "| model | batch | L0 MB | " + " | ".join(variants) + " |",
+        "|---|---|---|" + "---|" * len(variants),
+    ]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        own = {r["variant"].split(" ")[0]: r for r in rows if r["model"] == model}
+        base = own.get("L0")
+        cells = [
+            "-"
+            if v not in own or base is None
+            else "failed"
+            if own[v].get("error")
+            else f"{own[v]['allocated'] / base['allocated']:.2f}, {own[v]['time_ratio']:.2f}x"
+            for v in variants
+        ]
+        l0 = "-" if base is None else f"{base['allocated'] / 1e6:.0f}"
+        lines.append(f"| {model} | {own[next(iter(own))]['batch']} | {l0} | {' | '.join(cells)} |")
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        lines.append("")
+        lines += [f"- failed: {r['model']} {r['variant']}: {r['error'][:160]}" for r in failed]
+    return lines
+
+
 def _gpu_check_section(data: dict, key: str = "") -> list[str]:
     """gpu_check's own tables of a run (its headings two levels down); a section of
     :data:`_ONE_LINE` in which no row failed as one line, one a newer run answers
@@ -559,12 +603,33 @@ def _gpu_check_section(data: dict, key: str = "") -> list[str]:
         if rows and all(r.get(field, True) and not r.get("error") for r in rows):
             passed.append(f"- `{name}` ({what}): {len(rows)} rows, none failed")
             del sections[name]
+    memory = _memory_line(sections.get("memory", []))
+    if memory is not None:
+        passed.append(memory)
+        del sections["memory"]
+    pivot = _frontier_pivot(sections.get("frontier", []))
+    if pivot is not None:
+        del sections["frontier"]
     meta = {k: v for k, v in data.get("meta", {}).items() if k != "note"}
     text = _bench_script("gpu_check").render({**data, "meta": meta, "sections": sections})
     lines = text.splitlines()
     if lines and lines[0].startswith("# "):  # the run's title: a line of this file's section
         lines[0] = lines[0][2:] + ":"
     lines = [("##" + line if line.startswith("#") else line) for line in lines]
+    if pivot is not None:
+        failed = sum(line.startswith("- failed:") for line in pivot)
+        if failed:
+            lines = [
+                f"**{failed} failed check(s)**" if ln == "All checks passed." else ln
+                for ln in lines
+            ]
+        lines[3:3] = [
+            "",
+            "Per variant: allocated peak over eager level 0's, and step time over its "
+            "(`c:` compiled, against eager level 0; rows in the JSON).",
+            "",
+            *pivot,
+        ]
     return [*lines[:3], "", *passed, *lines[3:]]
 
 
