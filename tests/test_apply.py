@@ -590,3 +590,74 @@ def test_an_applied_model_is_freed_without_the_cycle_collector():
         assert alive() is None
     finally:
         gc.enable()
+
+
+class _Unit(nn.Module):
+    """Two layers, each a region of its own at level 1 when ``split``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU())
+        self.b = nn.Sequential(nn.Linear(4 * width, width), nn.GELU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(self.a(x))
+
+
+class _Stage(nn.Module):
+    """A stage of one unit, then a head outside it."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.stage = nn.Sequential(_Unit(width))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stage(x))
+
+
+_STAGE_RULES = [{"match": "stage", "level": 4}, {"match": "stage.0", "level": 2}]
+
+
+@pytest.mark.parametrize("nesting", ["auto", "outermost"])
+def test_a_group_is_what_a_span_holds_not_its_level(nesting):
+    # A level-4 stage holding one plain unit is no group: recomputing it whole holds what
+    # nesting the unit would, so the unit runs inside it plainly. Once the unit holds two
+    # regions of its own, the unit is a group, and so is the stage that holds it.
+    model = _Stage()
+    cfg = {"training_checkpoint_level": 4, "rules": _STAGE_RULES, "nesting": nesting}
+    assert plan(model, cfg).checkpointed == ("stage",)
+    split = [*_STAGE_RULES, {"match": "stage.0.*", "level": 1}]
+    assert plan(model, {**cfg, "rules": split}).checkpointed == (
+        "stage",
+        "stage.0",
+        "stage.0.a",
+        "stage.0.b",
+    )
+
+
+def test_a_stage_recomputed_whole_peaks_where_nesting_its_one_unit_would(core_calls):
+    from vision_ckpt.measure import step_memory
+
+    model, x = _Stage(width=64), torch.randn(256, 64)
+    peaks, calls = {}, {}
+    for nesting in ("auto", "all"):
+        apply(model, {"training_checkpoint_level": 4, "rules": _STAGE_RULES, "nesting": nesting})
+        core_calls.clear()
+        peaks[nesting] = step_memory(model, x, fake=False).peak
+        calls[nesting] = len(core_calls)
+        remove(model)
+    assert peaks["auto"] == peaks["all"]
+    assert calls["auto"] < calls["all"]
+
+
+def test_a_rule_a_plan_and_the_installed_forward_share_one_region():
+    from vision_ckpt.config import KeepOps, LevelRule, Region
+
+    rule = LevelRule(match="stage.0", level=2, keep="heavy")
+    assert rule.region == Region(keep=KeepOps())
+    assert LevelRule(match="stage", level=2, lean=True).region is None
+    p = plan(_Stage(), {"training_checkpoint_level": 2, "rules": [rule]})
+    (entry,) = [e for e in p.entries if e.name == "stage.0"]
+    assert [r.region for r in entry.rungs] == [rule.region]
+    assert str(entry.rungs[0]) == "keep heavy 2"
