@@ -36,7 +36,7 @@ SUBPACKAGES: list[str] = [
 # Inside each subpackage, lower first (a subpackage's __init__ sits above its modules).
 LAYERS: list[set[str]] = [
     {"errors", "_version", "_torch_floor", "_compat"},
-    {"config.levels", "config.matching"},
+    {"config.levels", "config.matching", "config._messages"},
     {"config.schema"},
     {"config._fallback", "config._features"},
     {"config.presets"},

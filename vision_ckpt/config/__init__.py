@@ -1,10 +1,11 @@
 """The configuration: what a model's modules are checkpointed at each level, as data.
 
 Owns the level contract (``levels``), matching rules to module names and classes
-(``matching``), the validated config schema (``schema``), the bundled presets and their YAML
-(``presets``), and the rules for models no preset knows (``_fallback``, ``_features``). It
-imports only the package's base modules (``errors``), pydantic and PyYAML; the schema, levels
-and matching import no torch, so a config validates where torch is absent. Everything above it
+(``matching``), the validated config schema (``schema``) and what its errors say
+(``_messages``), the bundled presets and their YAML (``presets``), and the rules for models no
+preset knows (``_fallback``, ``_features``). It imports only the package's base modules
+(``errors``), pydantic and PyYAML; the schema, levels and matching import no torch, so a config
+validates where torch is absent. Everything above it
 reads configs through these names.
 
 Its public names: the schema (``CheckpointConfig``, ``LevelRule``, ``KeepOps``, ``Region``, the

@@ -29,7 +29,6 @@ config files without it.
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 import typing
@@ -50,6 +49,7 @@ from pydantic import (
 )
 
 from ..errors import ConfigError, LevelError
+from ._messages import config_error
 from .levels import Level, parse_level
 from .matching import compile_name_pattern, compile_type_pattern
 
@@ -681,42 +681,6 @@ def _as_value_error(check: typing.Callable[[Any], Any], value: Any) -> None:
         raise ValueError(str(exc)) from None
 
 
-def _model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
-    """The config model class that holds the key at ``loc`` (for listing its allowed keys)."""
-    cls: type[BaseModel] | None = root
-    for part in loc:
-        if isinstance(part, int) or cls is None:
-            continue
-        field = cls.model_fields.get(part)
-        if field is None:
-            return None
-        cls = _find_model(field.annotation)
-    return cls
-
-
-def _find_model(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _find_model(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _loc_str(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "config"
-
-
-def _file_keys(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
-    # pydantic adds the branch name of a union to the location (e.g. 'literal['auto']',
-    # 'function-before[...]'); those are not keys of the file, so drop them.
-    return tuple(p for p in loc if isinstance(p, int) or not re.search(r"[\[\]\-(]", str(p)))
-
-
 _RENAMED: dict[str, tuple[type[BaseModel], str]] = {
     "strategy": (
         LevelRule,
@@ -736,39 +700,6 @@ _RENAMED: dict[str, tuple[type[BaseModel], str]] = {
     ),
 }
 """Keys of earlier versions, and what replaced them (for the unknown-key error)."""
-
-
-def _describe(root: type[BaseModel], err: Any) -> str:
-    kind = err["type"]
-    given = err.get("input")
-    raw = tuple(err["loc"])
-    if kind == "extra_forbidden":
-        # The last part is the user's unknown key itself, whatever characters it has.
-        key, path = raw[-1], _file_keys(raw[:-1])
-        owner = _model_at(root, path)
-        allowed = list(owner.model_fields) if owner is not None else []
-        close = difflib.get_close_matches(str(key), allowed, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        if key in _RENAMED and _RENAMED[key][0] is owner:
-            hint = f" {_RENAMED[key][1]}"
-        return (
-            f"{_loc_str(path + (key,))}: unknown key {key!r}; allowed keys: "
-            f"{', '.join(allowed)}.{hint}"
-        )
-    loc = _file_keys(raw)
-    if kind in ("literal_error", "enum"):
-        expected = err.get("ctx", {}).get("expected", "")
-        allowed = ", ".join(re.findall(r"'[^']*'|\d+", expected)) or expected
-        return f"{_loc_str(loc)}: got {given!r}; allowed: {allowed}"
-    if kind == "missing":
-        return f"{_loc_str(loc)}: required key is missing"
-    if kind in ("tuple_type", "list_type"):
-        return f"{_loc_str(loc)}: expected a list, got {given!r}"
-    msg = err["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, ") :]
-        return f"{_loc_str(loc)}: {msg}"
-    return f"{_loc_str(loc)}: {msg} (got {given!r})"
 
 
 class PresetFamily(_Schema):
@@ -822,19 +753,5 @@ class PresetFile(_Schema):
 
 
 def _config_error(root: type[BaseModel], exc: ValidationError, source: str | None) -> ConfigError:
-    lines: list[str] = []
-    for err in exc.errors():
-        line = _describe(root, err)
-        if line not in lines:
-            lines.append(line)
-    # A value that fails a union is reported once per branch; when one branch's message
-    # already explains the problem in our words, the generic ones add nothing.
-    specific = [ln for ln in lines if "allowed:" in ln or "unknown key" in ln]
-    kept = [
-        ln
-        for ln in lines
-        if ln in specific or not any(s.split(":", 1)[0] == ln.split(":", 1)[0] for s in specific)
-    ]
-    where = f" (from {source})" if source else ""
-    name = "checkpoint config" if root is CheckpointConfig else f"{root.__name__}"
-    return ConfigError(f"invalid {name}{where}:\n  " + "\n  ".join(kept))
+    name = "checkpoint config" if root is CheckpointConfig else root.__name__
+    return config_error(root, exc, name=name, source=source, renamed=_RENAMED)
