@@ -524,7 +524,7 @@ def _check_runs(model: nn.Module, decided: _Ways) -> None:
         for through, (rule, origin) in runs.items():
             members = run_members(model, name, through, f"{origin} ({rule})")
             for member in members:
-                lean = decided.get(member, {}).get(("lean",))
+                lean = decided.get(member, {}).get("lean")
                 if lean is not None:
                     r, o = lean.rule, lean.origin
                     raise ConfigError(
@@ -588,7 +588,7 @@ def _check_lean(decided: _Ways) -> None:
     member of a run: ``_check_runs``)."""
     lean = {n: ways for n, ways in decided.items() if "lean" in ways}
     for name, ways in lean.items():
-        inner = [n for n in decided if is_ancestor(name, n) and ("none",) not in decided[n]]
+        inner = [n for n in decided if is_ancestor(name, n) and "none" not in decided[n]]
         if inner:
             rule, origin = ways["lean"].rule, ways["lean"].origin
             other = next(iter(decided[inner[0]].values()))

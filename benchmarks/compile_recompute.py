@@ -1,0 +1,159 @@
+"""Does a compiled backward recompute checkpointed regions one at a time, as eager does?
+
+A model's first stage (its first few blocks, the memory-dense ones), each block checkpointed
+with torch's own ``torch.utils.checkpoint`` (what vision_ckpt hands torch under
+``torch.compile``), runs one training step (forward, sum, backward) per variant:
+
+- ``eager plain`` / ``eager``: no checkpointing, and per-block checkpointing, uncompiled;
+- ``aot_eager``: compiled, AOTAutograd's partition run by eager kernels;
+- ``inductor``: compiled with inductor, as users compile;
+- ``inductor, no peak reorder``: inductor with ``reorder_for_peak_memory`` off.
+
+Measured: the step's peak by the profiler's allocator events (the meter that sees inside
+compiled kernels), and the bytes the partitioner saves for backward (from AOTAutograd's
+forward graph, the same partition inductor compiles). Eager holds the saved inputs plus one
+block's recomputation; a compiled backward that holds more schedules the recomputation of
+several blocks together. Compare within one model only (the rows share one process).
+
+    python benchmarks/compile_recompute.py --out benchmarks/results/compile_recompute
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+STAGES: dict[str, tuple[Callable[[nn.Module], nn.Module], tuple[int, ...]]] = {
+    # model: (its first stage's blocks, the stage's input shape without the batch)
+    "convnext_tiny": (lambda m: m.stages[0].blocks, (96, 56, 56)),
+    "resnet50": (lambda m: m.layer1, (64, 56, 56)),
+    "vit_small_patch16_224": (lambda m: m.blocks[:3], (197, 384)),
+}
+
+
+class _PerBlock(nn.Module):
+    """The blocks in order, each checkpointed by torch (or not, with ``ckpt=False``)."""
+
+    def __init__(self, blocks: nn.Module, ckpt: bool) -> None:
+        super().__init__()
+        self.blocks, self.ckpt = blocks, ckpt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
+        return x
+
+
+def _peak(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
+    """The step's peak by the profiler's allocator events, above what was alive before it."""
+    gc.collect()
+    cpu = torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[cpu], profile_memory=True) as prof:
+        fn(x).sum().backward()
+    events = prof.profiler.kineto_results.events()
+    records = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in records:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def _saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    """The bytes AOTAutograd's min-cut partition saves for backward (the forward graph's
+    outputs after the first)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    saved = [0]
+
+    def partition(joint: Any, inputs: Any, **kw: Any) -> Any:
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, **kw)
+        outputs = list(fw.graph.nodes)[-1].args[0]
+        for node in outputs[1:]:
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                saved[0] += value.numel() * value.element_size()
+        return fw, bw
+
+    def backend(gm: Any, inputs: Any) -> Any:
+        def boxed(g: Any, _: Any) -> Any:
+            return make_boxed_func(g)
+
+        return aot_module_simplified(
+            gm, inputs, fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition
+        )
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=backend)(x).sum().backward()
+    return saved[0]
+
+
+def _variant(name: str, blocks: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    module = _PerBlock(blocks, ckpt=name != "eager plain")
+    fn: Callable[[torch.Tensor], torch.Tensor] = module
+    reorder = inductor_config.reorder_for_peak_memory
+    try:
+        if name.startswith("inductor"):
+            inductor_config.reorder_for_peak_memory = "no peak reorder" not in name
+            fn = torch.compile(module)
+        elif name == "aot_eager":
+            fn = torch.compile(module, backend="aot_eager")
+        fn(x).sum().backward()  # compile and warm up
+        return {"variant": name, "peak_mb": round(_peak(fn, x) / 1e6, 1)}
+    finally:
+        inductor_config.reorder_for_peak_memory = reorder
+
+
+VARIANTS = ("eager plain", "eager", "aot_eager", "inductor", "inductor, no peak reorder")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(STAGES))
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--out", default="compile_recompute_out")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False  # each variant compiles under its own settings
+    rows = []
+    for model_name in args.models.split(","):
+        stage_of, shape = STAGES[model_name]
+        torch.manual_seed(0)
+        blocks = stage_of(timm.create_model(model_name, pretrained=False))
+        x = torch.randn(args.batch_size, *shape, requires_grad=True)
+        saved = _saved_bytes(_PerBlock(blocks, ckpt=True), x)
+        for name in VARIANTS:
+            row = {"model": model_name, "batch": args.batch_size, **_variant(name, blocks, x)}
+            row["saved_mb"] = round(saved / 1e6, 1) if name != "eager plain" else None
+            rows.append(row)
+            print(row, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = f"torch {torch.__version__}, timm {timm.__version__}, {platform.machine()}, 1 thread"
+    command = "python benchmarks/compile_recompute.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+    )
+    (out / "results.json").write_text(
+        json.dumps({"command": command, "env": meta, "rows": rows}, indent=1) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
