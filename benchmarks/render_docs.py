@@ -82,8 +82,11 @@ QUESTIONS = (
         "(`cL2`...), timm's switch (`ctimm`) and `torch.compile` with an "
         "`activation_memory_budget` (`compile@0.5`) under inductor, beside eager level 0; a "
         "compiled step runs kernels the storage tracker cannot see, so compare compiled "
-        "variants by the allocator-event meter (`prof`).",
-        ("compile_matrix", "frontier_compile_b32_cpu"),
+        "variants by the allocator-event meter (`prof`). `compile_recompute.py`: a model's "
+        "first stage, each block checkpointed by torch, its step's peak (allocator events, MB) "
+        "eager, under `aot_eager` and under inductor, and the MB the partition saves for "
+        "backward: whether a compiled backward recomputes the blocks one at a time.",
+        ("compile_matrix", "frontier_compile_b32_cpu", "compile_recompute"),
         ("frontier_compile_b32",),
     ),
     Question(
@@ -694,8 +697,29 @@ def _section(key: str, data: Any) -> list[str]:
         "presets_b8": _presets_section,
         "hf_switch": _hf_switch_section,
         "answers": lambda data: [_bench_script("bench_answers").table(data)],
+        "compile_recompute": _compile_recompute_section,
     }
     return special.get(key, _generic_section)(data)
+
+
+def _compile_recompute_section(data: dict) -> list[str]:
+    """One line per model: each variant's peak (MB), and what the partition saves."""
+    rows = data["rows"]
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    lines = [
+        f"- command: `{data['command']}`",
+        f"- {data['env']}",
+        "",
+        "| model | batch | " + " | ".join(variants) + " | saved for backward |",
+        "|---|---|" + "---|" * (len(variants) + 1),
+    ]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        own = {r["variant"]: r for r in rows if r["model"] == model}
+        saved = next(r["saved_mb"] for r in own.values() if r["saved_mb"] is not None)
+        cells = [f"{own[v]['peak_mb']:.0f}" if v in own else "-" for v in variants]
+        batch = next(iter(own.values()))["batch"]
+        lines.append(f"| {model} | {batch} | {' | '.join(cells)} | {saved:.0f} |")
+    return lines
 
 
 _FOLDERS = {"fit": _fit_section, "torch_range": _torch_range_section}
