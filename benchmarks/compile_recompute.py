@@ -10,10 +10,11 @@ with torch's own ``torch.utils.checkpoint`` (what vision_ckpt hands torch under
 - ``inductor, no peak reorder``: inductor with ``reorder_for_peak_memory`` off.
 
 Measured: the step's peak by the profiler's allocator events (the meter that sees inside
-compiled kernels), and the bytes the partitioner saves for backward (from AOTAutograd's
-forward graph, the same partition inductor compiles). Eager holds the saved inputs plus one
-block's recomputation; a compiled backward that holds more schedules the recomputation of
-several blocks together. Compare within one model only (the rows share one process).
+compiled kernels), and the activation bytes the partitioner saves for backward (from
+AOTAutograd's forward graph, the same partition inductor compiles; parameters left out).
+Eager holds the saved inputs plus one block's recomputation; a compiled backward that holds
+more schedules the recomputation of several blocks together. Compare within one model only
+(the rows share one process).
 
     python benchmarks/compile_recompute.py --out benchmarks/results/compile_recompute
 """
@@ -71,8 +72,9 @@ def _peak(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
 
 
 def _saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
-    """The bytes AOTAutograd's min-cut partition saves for backward (the forward graph's
-    outputs after the first)."""
+    """The bytes of activations AOTAutograd's min-cut partition saves for backward: the
+    forward graph's outputs after the first, less the parameters it hands on (graph inputs
+    of another shape than ``x``)."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -84,6 +86,8 @@ def _saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
         outputs = list(fw.graph.nodes)[-1].args[0]
         for node in outputs[1:]:
             value = node.meta.get("val")
+            if node.op == "placeholder" and value.shape != x.shape:
+                continue  # a parameter, alive anyway
             if isinstance(value, torch.Tensor):
                 saved[0] += value.numel() * value.element_size()
         return fw, bw
