@@ -661,3 +661,14 @@ def test_a_rule_a_plan_and_the_installed_forward_share_one_region():
     (entry,) = [e for e in p.entries if e.name == "stage.0"]
     assert [r.region for r in entry.rungs] == [rule.region]
     assert str(entry.rungs[0]) == "keep heavy 2"
+
+
+def test_a_region_holding_one_segmented_stack_is_a_group():
+    # The stack's segments are several regions, so recomputing the trunk in one piece would
+    # hold every layer's activations: the segments stay checkpointed inside it.
+    model = nn.Sequential()
+    model.add_module("trunk", nn.Sequential(nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))))
+    rules = [{"match": "trunk", "level": 5}, {"match": "trunk.0", "level": 4, "segments": 2}]
+    for nesting in ("auto", "outermost"):
+        cfg = {"training_checkpoint_level": 5, "rules": rules, "nesting": nesting}
+        assert plan(model, cfg).checkpointed == ("trunk", "trunk.0")

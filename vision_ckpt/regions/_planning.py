@@ -392,8 +392,8 @@ def _runs_take_over(model: nn.Module, entries: tuple[PlanEntry, ...]) -> tuple[P
 
 def _holds_several(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
     """Give every entry the training levels at which its span holds several fully checkpointed
-    entries: two or more directly inside it (no eligible entry between them), or one that
-    itself holds several (NOTE [ Nesting ])."""
+    entries: two or more directly inside it (no eligible entry between them), or one that is a
+    group itself (segments, or holding several) (NOTE [ Nesting ])."""
     holds: dict[str, set[int]] = {}
     for level in range(1, 6):
         rungs = {e.name: r for e in entries if (r := e.rung_at(level)) is not None}
@@ -407,7 +407,7 @@ def _holds_several(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
         # Deepest first, so that a region holding one region knows whether that one is a group.
         for parent in sorted(inside, key=lambda n: -n.count(".") - (n != "")):
             held = inside[parent]
-            if len(held) >= 2 or level in holds.get(held[0], ()):
+            if len(held) >= 2 or rungs[held[0]].group or level in holds.get(held[0], ()):
                 holds.setdefault(parent, set()).add(level)
     return tuple(
         replace(e, holds_several=frozenset(holds[e.name])) if e.name in holds else e

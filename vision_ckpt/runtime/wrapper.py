@@ -41,7 +41,7 @@ rule in ``nests``.
 A group is a property of a region's span, never of its level number: a segment of a stack (an
 ``nn.Sequential``'s segments, a group of a ``ModuleList``'s layers: ``Rung.group``), or, in a
 plan, a region whose span holds several fully checkpointed regions at the training level: two
-or more directly inside it, or one that itself holds several (``Policy.holds_several``, from
+or more directly inside it, or one that is a group itself (``Policy.holds_several``, from
 ``_planning``; a stage of one block of several layers is a group, a stage of one plain block is
 not, and recomputing it whole holds what nesting would, for one forward less). A hand-placed
 wrapper has no plan and cannot see what its function calls, so it is a group only as a segment.
