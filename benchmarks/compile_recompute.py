@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import platform
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ import timm
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_frontier import live_bytes  # noqa: E402  (a script beside this one: the same meter)
 
 STAGES: dict[str, tuple[Callable[[nn.Module], nn.Module], tuple[int, ...]]] = {
     # model: (its first stage's blocks, the stage's input shape without the batch). No
@@ -62,13 +66,8 @@ def _peak(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
     cpu = torch.profiler.ProfilerActivity.CPU
     with torch.profiler.profile(activities=[cpu], profile_memory=True) as prof:
         fn(x).sum().backward()
-    events = prof.profiler.kineto_results.events()
-    records = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in records:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+    _, live = live_bytes(prof.profiler.kineto_results.events())
+    return max([0, *live])
 
 
 def _saved_bytes(module: nn.Module, x: torch.Tensor) -> int:

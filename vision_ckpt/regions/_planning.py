@@ -311,8 +311,8 @@ def _group_runs(
         region = rule.region
         if region is not None:  # a level-0 rule clears the group's first layer either way
             alone = len(group) == 1
-            region = replace(region, segments=None if alone else region.segments)
-            region = replace(region, through=None if alone else group[-1])
+            through, segments = (None, None) if alone else (group[-1], region.segments)
+            region = replace(region, through=through, segments=segments)
         out.append((first, _Way(rule, origin, region)))
     return out
 
