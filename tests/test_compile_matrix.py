@@ -134,11 +134,18 @@ def test_batchnorm_running_stats_match_after_compiled_steps() -> None:
 
 
 def _regions_in(gm: torch.fx.GraphModule) -> int:
-    """How many checkpointed regions a captured graph calls at its top (not nested ones)."""
-    return sum(
-        n.op == "call_function" and "tag_activation_checkpoint" in str(n.target)
-        for n in gm.graph.nodes
-    )
+    """How many checkpointed regions a captured graph calls at its top (not nested ones),
+    directly or as the body of a region's own subgraph (NOTE [ A region is its own
+    subgraph ])."""
+    found = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if "tag_activation_checkpoint" in str(n.target):
+            found += 1
+        elif "invoke_subgraph" in str(n.target):
+            found += _regions_in(getattr(gm, n.args[0].target))
+    return found
 
 
 def _capturing(graphs: list[torch.fx.GraphModule]) -> Any:
@@ -333,3 +340,57 @@ def test_offload_under_compile_is_a_full_region_and_warns() -> None:
     expected = {n: p.grad for n, p in eager.named_parameters()}
     got = {n: p.grad for n, p in compiled.named_parameters()}
     assert_close({"grads": got, "buffers": {}}, {"grads": expected, "buffers": {}})
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int, norm: type[nn.Module]) -> None:
+        super().__init__()
+        self.norm = norm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+def _subgraph_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    return [
+        getattr(gm, n.args[0].target)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and "invoke_subgraph" in str(n.target)
+    ]
+
+
+@pytest.mark.skipif(
+    not vision_ckpt._compat.features()["region_subgraphs"],
+    reason=f"torch {torch.__version__} traces every region into the graph around it",
+)
+def test_outermost_regions_compile_as_their_own_subgraphs() -> None:
+    """Each outermost region is torch's checkpoint inside a subgraph of its own, so that the
+    compiled backward recomputes one region at a time (NOTE [ A region is its own subgraph ]);
+    a region holding a BatchNorm in training mode stays in the graph; one graph, no break,
+    and the gradients and statistics are eager's."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(
+        *[_Residual(16, nn.LayerNorm) for _ in range(3)], _Residual(16, nn.BatchNorm1d)
+    ).train()
+    compiled = copy.deepcopy(eager)
+    config = {"training_checkpoint_level": 2, "rules": [{"match": "*", "level": 2}]}
+    vision_ckpt.apply(eager, config)
+    vision_ckpt.apply(compiled, config)
+    graphs: list[torch.fx.GraphModule] = []
+    torch._dynamo.reset()
+    call = torch.compile(compiled, backend=_capturing(graphs))
+    x = torch.randn(8, 16, requires_grad=True)  # (a region none of whose inputs needs a
+    for fn in (eager, call):  # gradient, torch traces in place)
+        fn(x).square().sum().backward()
+    assert len(graphs) == 1
+    bodies = _subgraph_bodies(graphs[0])
+    assert len(bodies) == 3  # the LayerNorm blocks, one subgraph each
+    assert all(_regions_in(body) == 1 for body in bodies)
+    assert _regions_in(graphs[0]) == 4  # and the BatchNorm block in the graph itself
+    expected = {n: p.grad for n, p in eager.named_parameters()}
+    got = {n: p.grad for n, p in compiled.named_parameters()}
+    assert_close(
+        {"grads": got, "buffers": dict(compiled.named_buffers())},
+        {"grads": expected, "buffers": dict(eager.named_buffers())},
+    )

@@ -22,6 +22,7 @@ def test_features_name_what_is_native() -> None:
         "top_saved_hooks",
         "graph_exec_group",
         "selective_keeps_hooks",
+        "region_subgraphs",
     }
     assert all(isinstance(v, bool) for v in features.values())
 

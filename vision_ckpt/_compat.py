@@ -21,6 +21,9 @@ Each feature, where torch has it natively, and the fallback on releases without 
 * :data:`COMPILED_CHECKPOINT_KEEPS_BATCHNORM`: a compiled checkpoint that updates BatchNorm
   statistics once (2.14; 2.6 updates them twice). Before: a region with BatchNorm in training
   mode runs eagerly between compiled graphs.
+* :data:`nested_compile_region`: ``torch.compiler.nested_compile_region``, relied on from 2.14
+  (the release it is verified on). Before: ``None``, and a compiled region is traced into the
+  graph of the code around it (NOTE [ A region is its own subgraph ] in ``runtime._traced``).
 * :data:`CHECKPOINT_OPTIONS`: the options torch's own ``checkpoint`` takes (``early_stop`` after
   2.6). Before: an option torch lacks is not passed; under compile it changes nothing.
 * :func:`functorch_running`: ``peek_interpreter_stack``. Before: ``False``.
@@ -74,6 +77,7 @@ __all__ = [
     "set_grad_enabled",
     "CHECKPOINT_OPTIONS",
     "COMPILED_CHECKPOINT_KEEPS_BATCHNORM",
+    "nested_compile_region",
     "proxy_tracing",
     "functional_tracing",
     "torch_function_modes_active",
@@ -209,6 +213,10 @@ def graph_exec_group() -> Any:
 
 
 COMPILED_CHECKPOINT_KEEPS_BATCHNORM: bool = TORCH_VERSION >= (2, 14)
+
+nested_compile_region: Callable[[Callable[..., Any]], Callable[..., Any]] | None = (
+    torch.compiler.nested_compile_region if TORCH_VERSION >= (2, 14) else None
+)
 """Whether a compiled ``torch.utils.checkpoint`` updates BatchNorm running statistics once, as
 eager does. 2.6 updates them in the forward and again in the recomputation (a momentum-0.1
 running mean moves 1.9 times as far); 2.14 updates them once. The releases between were not
@@ -344,7 +352,7 @@ def features() -> dict[str, bool]:
 
     >>> sorted(features())  # doctest: +NORMALIZE_WHITESPACE
     ['compiled_checkpoint_keeps_batchnorm', 'graph_exec_group', 'make_saved_tensor',
-     'selective_keeps_hooks', 'top_saved_hooks']
+     'region_subgraphs', 'selective_keeps_hooks', 'top_saved_hooks']
     """
     return {
         "make_saved_tensor": make_saved_tensor is not None,
@@ -352,4 +360,5 @@ def features() -> dict[str, bool]:
         "graph_exec_group": _exec_group is not None,
         "selective_keeps_hooks": SELECTIVE_KEEPS_HOOKS,
         "compiled_checkpoint_keeps_batchnorm": COMPILED_CHECKPOINT_KEEPS_BATCHNORM,
+        "region_subgraphs": nested_compile_region is not None,
     }

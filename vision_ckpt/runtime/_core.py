@@ -26,7 +26,8 @@ Where it differs from torch's implementation, it does so on purpose:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,6 +184,7 @@ def checkpoint_region(
     preserve_rng_state: bool = True,
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
     offload: bool = False,
+    graph: Callable[..., Any] | None = None,
     **kwargs: Any,
 ) -> Any:
     """:func:`checkpoint` for vision_ckpt's own callers (the wrapper and installed forwards),
@@ -190,13 +192,15 @@ def checkpoint_region(
     recomputation must not update again (NOTE [ Stateful modules during recomputation ] in
     ``_call_state``);
     ``label``: the name errors quote (``'blocks.3'``, ``'blocks[0:4]'``); ``offload``: keep
-    the CUDA inputs in pinned host memory (NOTE [ Offloaded inputs ] in ``_saved_inputs``)."""
+    the CUDA inputs in pinned host memory (NOTE [ Offloaded inputs ] in ``_saved_inputs``);
+    ``graph``: the subgraph it is compiled as (``_Options.graph``)."""
     options = _Options(
         module=module,
         label=label,
         preserve_rng_state=preserve_rng_state,
         context_fn=context_fn,
         offload=offload,
+        graph=graph,
     )
     return _run(function, args, kwargs, options)
 
@@ -227,6 +231,17 @@ class _Options:
     offload: bool = False
     """Keep the CUDA inputs in pinned host memory (NOTE [ Offloaded inputs ] in
     ``_saved_inputs``)."""
+    graph: Callable[..., Any] | None = None
+    """Under torch.compile: the region's own subgraph, called with torch's checkpoint and the
+    region (NOTE [ A region is its own subgraph ] in ``_traced``); ``None``: traced in place.
+    Eager ignores it."""
+
+
+def traced_region_is_plain(modules: Sequence[torch.nn.Module]) -> bool:
+    """Whether a region of ``modules`` (none: not known) holds no BatchNorm in training mode,
+    whose statistics a compiled subgraph would not write back exactly."""
+    found = [m for module in modules for m in module.modules()]
+    return bool(modules) and not any(m.training and has_running_stats(m) for m in found)
 
 
 def traced_region_is_exact(function: Callable[..., Any], module: torch.nn.Module | None) -> bool:
@@ -306,16 +321,18 @@ def _run_traced(
     outermost = state.region_depth == 0
     if outermost:
         state.region_depth = 1
+    run = functools.partial(
+        _torch_ckpt.checkpoint,
+        use_reentrant=False,
+        preserve_rng_state=options.preserve_rng_state,
+        determinism_check=options.determinism_check,
+        debug=options.debug,
+        **kwargs,
+    )
     try:
-        return _torch_ckpt.checkpoint(
-            function,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=options.preserve_rng_state,
-            determinism_check=options.determinism_check,
-            debug=options.debug,
-            **kwargs,
-        )
+        if options.graph is not None:  # a subgraph takes no keyword arguments
+            return options.graph(run, function, *args)
+        return run(function, *args)
     finally:
         if outermost:
             state.region_depth = 0

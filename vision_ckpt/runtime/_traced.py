@@ -6,12 +6,15 @@ wrapper; imports only the core."""
 from __future__ import annotations
 
 import threading
+import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from .. import _compat
 from . import _core
 
 __all__ = [
@@ -19,6 +22,7 @@ __all__ = [
     "note_batchnorm_between_graphs",
     "checkpoint_between_graphs",
     "run_between_graphs",
+    "RegionGraphs",
     "traced_reset",
     "traced_push",
     "traced_pop",
@@ -72,6 +76,49 @@ def run_between_graphs(
     is told its modules (whose BatchNorm statistics it guards) through one container, made
     here, outside the trace."""
     return _core.checkpoint_region(region, x, **{**options, "module": nn.ModuleList(modules)})
+
+
+# NOTE [ A region is its own subgraph ]
+#
+# Within one compiled graph, neither AOTAutograd's backward order nor inductor's schedule
+# recomputes a region only when its backward starts: the recomputations of several consecutive
+# regions can be alive at once, so a compiled step would hold more than the plan says. A
+# region compiled as a subgraph of its own (``torch.compiler.nested_compile_region``) is
+# partitioned on its own: its backward is one call in the outer backward, which runs only once
+# the gradient of the region's output exists, and recomputes only that region. So while
+# torch.compile traces, an outermost region installed by ``apply`` is torch's checkpoint called
+# inside its own subgraph. Dynamo reuses a subgraph for every call of the same function without
+# checking which modules it was given, so each region has functions of its own, on a copy of
+# the code (one for the region, one for a run it opens). A region with a BatchNorm in training
+# mode stays in the graph around it: a subgraph does not write its running statistics back
+# exactly. Nested regions are traced inside the subgraph as the plan nests them.
+
+
+def _in_subgraph(checkpoint: Callable[..., Any], function: Callable[..., Any], *args: Any) -> Any:
+    return checkpoint(function, *args)
+
+
+def _subgraph() -> Callable[..., Any] | None:
+    """A function of its own that calls torch's checkpoint as one subgraph, or ``None`` where
+    this torch is not relied on for subgraphs."""
+    if _compat.nested_compile_region is None:
+        return None
+    code = _in_subgraph.__code__.replace(co_name="region_subgraph")
+    return _compat.nested_compile_region(types.FunctionType(code, _in_subgraph.__globals__))
+
+
+class RegionGraphs:
+    """The subgraphs one installed region is compiled as (NOTE [ A region is its own
+    subgraph ]): ``one`` for the region, ``run`` for a run of calls it opens."""
+
+    __slots__ = ("one", "run")
+
+    def __init__(self) -> None:
+        self.one = _subgraph()
+        self.run = _subgraph()
+
+    def __reduce__(self) -> tuple[type[RegionGraphs], tuple[()]]:
+        return RegionGraphs, ()  # a copy or an unpickled model gets subgraphs of its own
 
 
 def note_batchnorm_between_graphs() -> None:

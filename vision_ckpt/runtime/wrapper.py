@@ -71,7 +71,7 @@ import math
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -82,7 +82,7 @@ from ..config.schema import KeepOps, Region
 from ..errors import ConfigError
 from . import _chain, _core, _frame, _traced
 from ._selective import bind_region
-from ._traced import compile_note
+from ._traced import RegionGraphs, compile_note
 
 __all__ = [
     "ActivationCheckpointing",
@@ -92,7 +92,7 @@ __all__ = [
 ]
 # Used by the install layer (vision_ckpt.regions._install), not re-exported by the package:
 # Rung, Policy, choose_rung, nests, lean_now, run_policy, run_segments, segment_size, ChainCall,
-# run_traced_chain, note_run_broken_traced, compile_note.
+# run_traced_chain, note_run_broken_traced, compile_note, RegionGraphs.
 
 
 # The process-wide training level (not thread-local: DataParallel replicas run forward on their
@@ -214,6 +214,8 @@ def _checkpoint(
     options: dict[str, Any],
     exact: bool | None = None,
     nested: bool = False,
+    graph: Callable[..., Any] | None = None,
+    modules: Sequence[nn.Module] = (),
 ) -> Any:
     """``_core.checkpoint_region`` of ``region`` called on ``args`` and ``kwargs``, with the
     core's ``options``. In eager the core is given the region itself, which recomputation runs
@@ -223,7 +225,9 @@ def _checkpoint(
     or, where torch's compiled checkpoint would not be exact, the region run eagerly between
     graphs. ``exact``: whether the traced checkpoint is exact, where the caller knows better
     than the region's module can say (a run of several modules); ``nested``: the region holds
-    fully checkpointed regions (NOTE [ Nested regions under torch.compile ])."""
+    fully checkpointed regions (NOTE [ Nested regions under torch.compile ]); ``graph``: the
+    subgraph an outermost region of ``modules`` is compiled as, unless they hold a BatchNorm in
+    training mode (NOTE [ A region is its own subgraph ] in ``_traced``)."""
     if not _core.compiling():
         return _core.checkpoint_region(region, *args, **options, **kwargs)
     if nested:
@@ -236,6 +240,8 @@ def _checkpoint(
         return _traced.checkpoint_between_graphs(region, *args, **options, **kwargs)
     if _core.region_depth() == 0:
         _traced.traced_reset()
+        if graph is not None and _core.traced_region_is_plain(modules):
+            options = {**options, "graph": graph}  # NOTE [ A region is its own subgraph ]
     _traced.traced_push(int(region.level), region.group)
     try:
         return _core.checkpoint_region(region.fn, *args, **options, **kwargs)
@@ -510,6 +516,9 @@ class Policy:
     nests_full: frozenset[int] = frozenset()
     """Training levels at which the region is full and holds a fully checkpointed region: under
     torch.compile it runs between graphs there (NOTE [ Nested regions under torch.compile ])."""
+    graphs: RegionGraphs | None = field(default=None, compare=False, repr=False)
+    """The subgraphs an installed region is compiled as (NOTE [ A region is its own subgraph ]
+    in ``_traced``); ``None`` for a wrapper, whose function may change from call to call."""
 
 
 def lean_now(policy: Policy) -> bool:
@@ -615,7 +624,10 @@ def run_policy(
     if label is None:
         label = _frame.region_label(fn)
     options = _region_options(policy, rung, label, module)
-    return _checkpoint(region, args, kwargs, options, nested=_nests_now(policy))
+    graph = None if policy.graphs is None or module is None else policy.graphs.one
+    return _checkpoint(
+        region, args, kwargs, options, nested=_nests_now(policy), graph=graph, modules=(module,)
+    )
 
 
 def _region_options(
@@ -737,7 +749,8 @@ def run_traced_chain(
     if _nests_now(policy):
         _note_nested_between_graphs(label)
     elif all(_core.traced_region_is_exact(m, m) for m in modules):
-        return _checkpoint(region, (x,), {}, options, exact=True)
+        graph = None if policy.graphs is None else policy.graphs.run
+        return _checkpoint(region, (x,), {}, options, exact=True, graph=graph, modules=modules)
     else:
         _traced.note_batchnorm_between_graphs()
     return _traced.run_between_graphs(region, x, list(modules), options)
