@@ -7,7 +7,11 @@ with torch's own ``torch.utils.checkpoint`` (what vision_ckpt hands torch under
 - ``eager plain`` / ``eager``: no checkpointing, and per-block checkpointing, uncompiled;
 - ``aot_eager``: compiled, AOTAutograd's partition run by eager kernels;
 - ``inductor``: compiled with inductor, as users compile;
-- ``inductor, no peak reorder``: inductor with ``reorder_for_peak_memory`` off.
+- ``inductor, no peak reorder``: inductor with ``reorder_for_peak_memory`` off;
+- ``aot_eager, own subgraphs`` / ``inductor, own subgraphs``: each block's checkpoint called
+  inside a subgraph of its own (``torch.compiler.nested_compile_region``), as vision_ckpt
+  compiles an outermost region (NOTE [ A region is its own subgraph ] in
+  ``vision_ckpt/runtime/_traced.py``).
 
 Measured: the step's peak by the profiler's allocator events (the meter that sees inside
 compiled kernels), and the activation bytes the partitioner saves for backward (from
@@ -26,6 +30,7 @@ import gc
 import json
 import platform
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,16 +52,29 @@ STAGES: dict[str, tuple[Callable[[nn.Module], nn.Module], tuple[int, ...]]] = {
 }
 
 
-class _PerBlock(nn.Module):
-    """The blocks in order, each checkpointed by torch (or not, with ``ckpt=False``)."""
+def _checkpointed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return checkpoint(block, x, use_reentrant=False)
 
-    def __init__(self, blocks: nn.Module, ckpt: bool) -> None:
+
+def _own_subgraph() -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """``_checkpointed`` as a subgraph of its own: on a copy of its code, since dynamo reuses a
+    subgraph for every call of one function, whatever module it is given."""
+    code = _checkpointed.__code__.replace(co_name="block_subgraph")
+    return torch.compiler.nested_compile_region(types.FunctionType(code, globals()))
+
+
+class _PerBlock(nn.Module):
+    """The blocks in order, each checkpointed by torch (or not, with ``ckpt=False``), each
+    in its own subgraph with ``subgraphs=True``."""
+
+    def __init__(self, blocks: nn.Module, ckpt: bool, subgraphs: bool = False) -> None:
         super().__init__()
         self.blocks, self.ckpt = blocks, ckpt
+        self.calls = [_own_subgraph() if subgraphs else _checkpointed for _ in blocks]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
+        for block, call in zip(self.blocks, self.calls, strict=True):
+            x = call(block, x) if self.ckpt else block(x)
         return x
 
 
@@ -108,14 +126,14 @@ def _variant(name: str, blocks: nn.Module, x: torch.Tensor) -> dict[str, Any]:
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
-    module = _PerBlock(blocks, ckpt=name != "eager plain")
+    module = _PerBlock(blocks, ckpt=name != "eager plain", subgraphs="own subgraphs" in name)
     fn: Callable[[torch.Tensor], torch.Tensor] = module
     reorder = inductor_config.reorder_for_peak_memory
     try:
         if name.startswith("inductor"):
             inductor_config.reorder_for_peak_memory = "no peak reorder" not in name
             fn = torch.compile(module, dynamic=False)
-        elif name == "aot_eager":
+        elif name.startswith("aot_eager"):
             fn = torch.compile(module, backend="aot_eager", dynamic=False)
         fn(x).sum().backward()  # compile and warm up
         return {"variant": name, "peak_mb": round(_peak(fn, x) / 1e6, 1)}
@@ -123,7 +141,15 @@ def _variant(name: str, blocks: nn.Module, x: torch.Tensor) -> dict[str, Any]:
         inductor_config.reorder_for_peak_memory = reorder
 
 
-VARIANTS = ("eager plain", "eager", "aot_eager", "inductor", "inductor, no peak reorder")
+VARIANTS = (
+    "eager plain",
+    "eager",
+    "aot_eager",
+    "inductor",
+    "inductor, no peak reorder",
+    "aot_eager, own subgraphs",
+    "inductor, own subgraphs",
+)
 
 
 def main() -> None:
