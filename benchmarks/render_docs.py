@@ -84,8 +84,9 @@ QUESTIONS = (
         "compiled step runs kernels the storage tracker cannot see, so compare compiled "
         "variants by the allocator-event meter (`prof`). `compile_recompute.py`: a model's "
         "first stage, each block checkpointed by torch, its step's peak (allocator events, MB) "
-        "eager, under `aot_eager` and under inductor, and the MB the partition saves for "
-        "backward: whether a compiled backward recomputes the blocks one at a time.",
+        "eager, under `aot_eager` and under inductor, each block in one graph or in a "
+        "subgraph of its own (as vision_ckpt compiles a region), and the MB the partition "
+        "saves for backward: whether a compiled backward recomputes the blocks one at a time.",
         ("compile_matrix", "frontier_compile_b32_cpu", "compile_recompute"),
         ("frontier_compile_b32",),
     ),
