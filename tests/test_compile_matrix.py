@@ -365,13 +365,15 @@ def _subgraph_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
     reason=f"torch {torch.__version__} traces every region into the graph around it",
 )
 def test_outermost_regions_compile_as_their_own_subgraphs() -> None:
-    """Each outermost region is torch's checkpoint inside a subgraph of its own, so that the
-    compiled backward recomputes one region at a time (NOTE [ A region is its own subgraph ]);
-    a region holding a BatchNorm in training mode stays in the graph; one graph, no break,
-    and the gradients and statistics are eager's."""
+    """Each outermost region is torch's checkpoint inside a subgraph, so that the compiled
+    backward recomputes one region at a time (NOTE [ A region is its own subgraph ]): three
+    identical LayerNorm blocks share one subgraph body, called three times; the two BatchNorm
+    blocks stay in the graph (a shared subgraph may not write their statistics). One graph, no
+    break, and the gradients and statistics are eager's."""
     torch.manual_seed(0)
     eager = nn.Sequential(
-        *[_Residual(16, nn.LayerNorm) for _ in range(3)], _Residual(16, nn.BatchNorm1d)
+        *[_Residual(16, nn.LayerNorm) for _ in range(3)],
+        *[_Residual(16, nn.BatchNorm1d) for _ in range(2)],
     ).train()
     compiled = copy.deepcopy(eager)
     config = {"training_checkpoint_level": 2, "rules": [{"match": "*", "level": 2}]}
@@ -380,14 +382,15 @@ def test_outermost_regions_compile_as_their_own_subgraphs() -> None:
     graphs: list[torch.fx.GraphModule] = []
     torch._dynamo.reset()
     call = torch.compile(compiled, backend=_capturing(graphs))
-    x = torch.randn(8, 16, requires_grad=True)  # (a region none of whose inputs needs a
-    for fn in (eager, call):  # gradient, torch traces in place)
+    # the input needs a gradient: torch traces in place a region none of whose inputs does
+    x = torch.randn(8, 16, requires_grad=True)
+    for fn in (eager, call):
         fn(x).square().sum().backward()
     assert len(graphs) == 1
     bodies = _subgraph_bodies(graphs[0])
-    assert len(bodies) == 3  # the LayerNorm blocks, one subgraph each
+    assert len(bodies) == 3  # the LayerNorm blocks
     assert all(_regions_in(body) == 1 for body in bodies)
-    assert _regions_in(graphs[0]) == 4  # and the BatchNorm block in the graph itself
+    assert _regions_in(graphs[0]) == 5  # and the BatchNorm blocks in the graph itself
     expected = {n: p.grad for n, p in eager.named_parameters()}
     got = {n: p.grad for n, p in compiled.named_parameters()}
     assert_close(

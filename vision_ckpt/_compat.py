@@ -213,14 +213,16 @@ def graph_exec_group() -> Any:
 
 
 COMPILED_CHECKPOINT_KEEPS_BATCHNORM: bool = TORCH_VERSION >= (2, 14)
-
-nested_compile_region: Callable[[Callable[..., Any]], Callable[..., Any]] | None = (
-    torch.compiler.nested_compile_region if TORCH_VERSION >= (2, 14) else None
-)
 """Whether a compiled ``torch.utils.checkpoint`` updates BatchNorm running statistics once, as
 eager does. 2.6 updates them in the forward and again in the recomputation (a momentum-0.1
 running mean moves 1.9 times as far); 2.14 updates them once. The releases between were not
 checked and are treated as 2.6."""
+
+nested_compile_region: Callable[[Callable[..., Any]], Callable[..., Any]] | None = (
+    torch.compiler.nested_compile_region if TORCH_VERSION >= (2, 14) else None
+)
+"""torch's decorator that compiles a function as a subgraph of the graph that calls it, from
+2.14 (the release it is verified on); ``None`` before."""
 
 CHECKPOINT_OPTIONS: frozenset[str] = frozenset(
     inspect.signature(torch.utils.checkpoint.checkpoint).parameters

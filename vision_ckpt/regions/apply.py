@@ -27,7 +27,7 @@ from ..config.levels import Level, parse_level
 from ..config.schema import CheckpointConfig, KeepOps
 from ..errors import ConfigError
 from ..runtime._selective import SaveOps
-from ..runtime.wrapper import Policy, RegionGraphs
+from ..runtime.wrapper import Policy
 from ._install import install, install_chain, uninstall
 from ._plan_record import CheckpointPlan, PlanEntry, run_label
 from ._planning import ConfigLike, as_config, plan, run_members
@@ -172,7 +172,7 @@ def _policy(the_plan: CheckpointPlan, entry: PlanEntry, shared: dict[KeepOps, Sa
         entry.holds_several,
         entry.lean,
         entry.nests_full,
-        RegionGraphs(),
+        own_subgraph=True,
     )
 
 

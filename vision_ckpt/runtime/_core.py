@@ -330,7 +330,7 @@ def _run_traced(
         **kwargs,
     )
     try:
-        if options.graph is not None:  # a subgraph takes no keyword arguments
+        if options.graph is not None:
             return options.graph(run, function, *args)
         return run(function, *args)
     finally:

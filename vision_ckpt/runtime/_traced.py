@@ -6,7 +6,6 @@ wrapper; imports only the core."""
 from __future__ import annotations
 
 import threading
-import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +21,7 @@ __all__ = [
     "note_batchnorm_between_graphs",
     "checkpoint_between_graphs",
     "run_between_graphs",
-    "RegionGraphs",
+    "region_subgraph",
     "traced_reset",
     "traced_push",
     "traced_pop",
@@ -83,42 +82,29 @@ def run_between_graphs(
 # Within one compiled graph, neither AOTAutograd's backward order nor inductor's schedule
 # recomputes a region only when its backward starts: the recomputations of several consecutive
 # regions can be alive at once, so a compiled step would hold more than the plan says. A
-# region compiled as a subgraph of its own (``torch.compiler.nested_compile_region``) is
-# partitioned on its own: its backward is one call in the outer backward, which runs only once
-# the gradient of the region's output exists, and recomputes only that region. So while
-# torch.compile traces, an outermost region installed by ``apply`` is torch's checkpoint called
-# inside its own subgraph. Dynamo reuses a subgraph for every call of the same function without
-# checking which modules it was given, so each region has functions of its own, on a copy of
-# the code (one for the region, one for a run it opens). A region with a BatchNorm in training
-# mode stays in the graph around it: a subgraph does not write its running statistics back
-# exactly. Nested regions are traced inside the subgraph as the plan nests them.
+# region compiled as a subgraph (``torch.compiler.nested_compile_region``) is partitioned on
+# its own: its backward is one call in the outer backward, which runs only once the gradient of
+# the region's output exists, and recomputes only that region. So while dynamo traces, an
+# outermost region installed by ``apply`` is torch's checkpoint called through
+# ``region_subgraph``. Dynamo traces every such call (its arguments are not ones it reuses a
+# traced body for) and gives regions whose traced bodies are identical one shared subgraph; a
+# body traced once stays in the graph around it, as it would without the subgraph. Kept in the
+# graph on purpose: a region with a BatchNorm in training mode (dynamo refuses a shared
+# subgraph that writes a buffer; a module that writes another buffer in its forward is not
+# recognised, and none in the bundled presets does), a run of calls (its extra outputs break
+# dynamo's clean-up of a shared subgraph), and anything traced by other means than dynamo.
 
 
 def _in_subgraph(checkpoint: Callable[..., Any], function: Callable[..., Any], *args: Any) -> Any:
+    """``checkpoint(function, *args)``: the body of every region's subgraph."""
     return checkpoint(function, *args)
 
 
-def _subgraph() -> Callable[..., Any] | None:
-    """A function of its own that calls torch's checkpoint as one subgraph, or ``None`` where
-    this torch is not relied on for subgraphs."""
-    if _compat.nested_compile_region is None:
-        return None
-    code = _in_subgraph.__code__.replace(co_name="region_subgraph")
-    return _compat.nested_compile_region(types.FunctionType(code, _in_subgraph.__globals__))
-
-
-class RegionGraphs:
-    """The subgraphs one installed region is compiled as (NOTE [ A region is its own
-    subgraph ]): ``one`` for the region, ``run`` for a run of calls it opens."""
-
-    __slots__ = ("one", "run")
-
-    def __init__(self) -> None:
-        self.one = _subgraph()
-        self.run = _subgraph()
-
-    def __reduce__(self) -> tuple[type[RegionGraphs], tuple[()]]:
-        return RegionGraphs, ()  # a copy or an unpickled model gets subgraphs of its own
+region_subgraph: Callable[..., Any] | None = (
+    None if _compat.nested_compile_region is None else _compat.nested_compile_region(_in_subgraph)
+)
+"""``_in_subgraph`` as a subgraph (NOTE [ A region is its own subgraph ]), or ``None`` where
+this torch is not relied on for subgraphs."""
 
 
 def note_batchnorm_between_graphs() -> None:

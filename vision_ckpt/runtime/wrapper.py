@@ -71,7 +71,7 @@ import math
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -82,7 +82,7 @@ from ..config.schema import KeepOps, Region
 from ..errors import ConfigError
 from . import _chain, _core, _frame, _traced
 from ._selective import bind_region
-from ._traced import RegionGraphs, compile_note
+from ._traced import compile_note
 
 __all__ = [
     "ActivationCheckpointing",
@@ -92,7 +92,7 @@ __all__ = [
 ]
 # Used by the install layer (vision_ckpt.regions._install), not re-exported by the package:
 # Rung, Policy, choose_rung, nests, lean_now, run_policy, run_segments, segment_size, ChainCall,
-# run_traced_chain, note_run_broken_traced, compile_note, RegionGraphs.
+# run_traced_chain, note_run_broken_traced, compile_note.
 
 
 # The process-wide training level (not thread-local: DataParallel replicas run forward on their
@@ -207,6 +207,12 @@ class _RunAtLevel:
             region.level, region.group = previous
 
 
+def _subgraph_now(modules: Sequence[nn.Module]) -> bool:
+    """Whether an outermost region of ``modules`` is compiled as a subgraph now: while dynamo
+    traces (not export's other tracers), and when they write no running statistics."""
+    return torch.compiler.is_dynamo_compiling() and _core.traced_region_is_plain(modules)
+
+
 def _checkpoint(
     region: _RunAtLevel,
     args: Sequence[Any],
@@ -240,7 +246,7 @@ def _checkpoint(
         return _traced.checkpoint_between_graphs(region, *args, **options, **kwargs)
     if _core.region_depth() == 0:
         _traced.traced_reset()
-        if graph is not None and _core.traced_region_is_plain(modules):
+        if graph is not None and _subgraph_now(modules):
             options = {**options, "graph": graph}  # NOTE [ A region is its own subgraph ]
     _traced.traced_push(int(region.level), region.group)
     try:
@@ -516,9 +522,10 @@ class Policy:
     nests_full: frozenset[int] = frozenset()
     """Training levels at which the region is full and holds a fully checkpointed region: under
     torch.compile it runs between graphs there (NOTE [ Nested regions under torch.compile ])."""
-    graphs: RegionGraphs | None = field(default=None, compare=False, repr=False)
-    """The subgraphs an installed region is compiled as (NOTE [ A region is its own subgraph ]
-    in ``_traced``); ``None`` for a wrapper, whose function may change from call to call."""
+    own_subgraph: bool = False
+    """Under torch.compile, the region is compiled as a subgraph when it is outermost (NOTE [ A
+    region is its own subgraph ] in ``_traced``): set for regions ``apply`` installs, not for a
+    wrapper, whose function may change from call to call."""
 
 
 def lean_now(policy: Policy) -> bool:
@@ -624,7 +631,7 @@ def run_policy(
     if label is None:
         label = _frame.region_label(fn)
     options = _region_options(policy, rung, label, module)
-    graph = None if policy.graphs is None or module is None else policy.graphs.one
+    graph = _traced.region_subgraph if policy.own_subgraph and module is not None else None
     return _checkpoint(
         region, args, kwargs, options, nested=_nests_now(policy), graph=graph, modules=(module,)
     )
@@ -749,8 +756,7 @@ def run_traced_chain(
     if _nests_now(policy):
         _note_nested_between_graphs(label)
     elif all(_core.traced_region_is_exact(m, m) for m in modules):
-        graph = None if policy.graphs is None else policy.graphs.run
-        return _checkpoint(region, (x,), {}, options, exact=True, graph=graph, modules=modules)
+        return _checkpoint(region, (x,), {}, options, exact=True)
     else:
         _traced.note_batchnorm_between_graphs()
     return _traced.run_between_graphs(region, x, list(modules), options)
