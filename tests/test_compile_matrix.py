@@ -133,19 +133,23 @@ def test_batchnorm_running_stats_match_after_compiled_steps() -> None:
     compiled_matches_eager("resnet", 2, steps=2)
 
 
+def _subgraph_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    return [
+        getattr(gm, n.args[0].target)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and "invoke_subgraph" in str(n.target)
+    ]
+
+
 def _regions_in(gm: torch.fx.GraphModule) -> int:
     """How many checkpointed regions a captured graph calls at its top (not nested ones),
     directly or as the body of a region's own subgraph (NOTE [ A region is its own
     subgraph ])."""
-    found = 0
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        if "tag_activation_checkpoint" in str(n.target):
-            found += 1
-        elif "invoke_subgraph" in str(n.target):
-            found += _regions_in(getattr(gm, n.args[0].target))
-    return found
+    tagged = sum(
+        n.op == "call_function" and "tag_activation_checkpoint" in str(n.target)
+        for n in gm.graph.nodes
+    )
+    return tagged + sum(_regions_in(body) for body in _subgraph_bodies(gm))
 
 
 def _capturing(graphs: list[torch.fx.GraphModule]) -> Any:
@@ -350,14 +354,6 @@ class _Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
-def _subgraph_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
-    return [
-        getattr(gm, n.args[0].target)
-        for n in gm.graph.nodes
-        if n.op == "call_function" and "invoke_subgraph" in str(n.target)
-    ]
 
 
 @pytest.mark.skipif(

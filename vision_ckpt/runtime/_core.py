@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,11 +237,12 @@ class _Options:
     Eager ignores it."""
 
 
-def traced_region_is_plain(modules: Sequence[torch.nn.Module]) -> bool:
-    """Whether a region of ``modules`` (none: not known) holds no BatchNorm in training mode,
-    whose statistics a compiled subgraph would not write back exactly."""
-    found = [m for module in modules for m in module.modules()]
-    return bool(modules) and not any(m.training and has_running_stats(m) for m in found)
+def writes_running_stats(module: torch.nn.Module | None) -> bool:
+    """Whether ``module`` (``None``: not known, so assume it does) holds a BatchNorm in
+    training mode, whose running statistics its forward writes."""
+    if module is None:
+        return True
+    return any(m.training and has_running_stats(m) for m in module.modules())
 
 
 def traced_region_is_exact(function: Callable[..., Any], module: torch.nn.Module | None) -> bool:
@@ -250,10 +251,7 @@ def traced_region_is_exact(function: Callable[..., Any], module: torch.nn.Module
     BATCHNORM``) and the region holds a BatchNorm in training mode."""
     if _compat.COMPILED_CHECKPOINT_KEEPS_BATCHNORM:
         return True
-    module = region_module(function, module)
-    if module is None:
-        return False  # its modules are not known: assume the worst
-    return not any(m.training and has_running_stats(m) for m in module.modules())
+    return not writes_running_stats(region_module(function, module))
 
 
 def _run(

@@ -207,10 +207,15 @@ class _RunAtLevel:
             region.level, region.group = previous
 
 
-def _subgraph_now(modules: Sequence[nn.Module]) -> bool:
-    """Whether an outermost region of ``modules`` is compiled as a subgraph now: while dynamo
-    traces (not export's other tracers), and when they write no running statistics."""
-    return torch.compiler.is_dynamo_compiling() and _core.traced_region_is_plain(modules)
+def _subgraph_now(module: nn.Module | None) -> bool:
+    """Whether an outermost region of ``module`` is compiled as a subgraph now: where this
+    torch has them, while dynamo traces (not export's other tracers), and when the module
+    writes no running statistics (NOTE [ A region is its own subgraph ] in ``_traced``)."""
+    return (
+        _traced.region_subgraph is not None
+        and torch.compiler.is_dynamo_compiling()
+        and not _core.writes_running_stats(module)
+    )
 
 
 def _checkpoint(
@@ -220,8 +225,7 @@ def _checkpoint(
     options: dict[str, Any],
     exact: bool | None = None,
     nested: bool = False,
-    graph: Callable[..., Any] | None = None,
-    modules: Sequence[nn.Module] = (),
+    subgraph: bool = False,
 ) -> Any:
     """``_core.checkpoint_region`` of ``region`` called on ``args`` and ``kwargs``, with the
     core's ``options``. In eager the core is given the region itself, which recomputation runs
@@ -231,9 +235,8 @@ def _checkpoint(
     or, where torch's compiled checkpoint would not be exact, the region run eagerly between
     graphs. ``exact``: whether the traced checkpoint is exact, where the caller knows better
     than the region's module can say (a run of several modules); ``nested``: the region holds
-    fully checkpointed regions (NOTE [ Nested regions under torch.compile ]); ``graph``: the
-    subgraph an outermost region of ``modules`` is compiled as, unless they hold a BatchNorm in
-    training mode (NOTE [ A region is its own subgraph ] in ``_traced``)."""
+    fully checkpointed regions (NOTE [ Nested regions under torch.compile ]); ``subgraph``:
+    the region may be compiled as a subgraph when outermost (:func:`_subgraph_now`)."""
     if not _core.compiling():
         return _core.checkpoint_region(region, *args, **options, **kwargs)
     if nested:
@@ -246,8 +249,8 @@ def _checkpoint(
         return _traced.checkpoint_between_graphs(region, *args, **options, **kwargs)
     if _core.region_depth() == 0:
         _traced.traced_reset()
-        if graph is not None and _subgraph_now(modules):
-            options = {**options, "graph": graph}  # NOTE [ A region is its own subgraph ]
+        if subgraph and _subgraph_now(options["module"]):
+            options = {**options, "graph": _traced.region_subgraph}
     _traced.traced_push(int(region.level), region.group)
     try:
         return _core.checkpoint_region(region.fn, *args, **options, **kwargs)
@@ -631,9 +634,8 @@ def run_policy(
     if label is None:
         label = _frame.region_label(fn)
     options = _region_options(policy, rung, label, module)
-    graph = _traced.region_subgraph if policy.own_subgraph and module is not None else None
     return _checkpoint(
-        region, args, kwargs, options, nested=_nests_now(policy), graph=graph, modules=(module,)
+        region, args, kwargs, options, nested=_nests_now(policy), subgraph=policy.own_subgraph
     )
 
 
