@@ -26,11 +26,11 @@ more schedules the recomputation of several blocks together. Compare within one 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
 import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,25 +56,33 @@ def _checkpointed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return checkpoint(block, x, use_reentrant=False)
 
 
-def _own_subgraph() -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-    """``_checkpointed`` as a subgraph of its own: on a copy of its code, since dynamo reuses a
-    subgraph for every call of one function, whatever module it is given."""
-    code = _checkpointed.__code__.replace(co_name="block_subgraph")
-    return torch.compiler.nested_compile_region(types.FunctionType(code, globals()))
+def _in_subgraph(run: Callable[..., torch.Tensor], block: nn.Module, x: torch.Tensor) -> Any:
+    return run(block, x)
+
+
+_SUBGRAPH = torch.compiler.nested_compile_region(_in_subgraph)
+
+
+def _own_subgraph(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's checkpoint called through one shared subgraph, with torch's checkpoint as
+    an argument, as vision_ckpt calls an outermost region (dynamo then traces every call and
+    shares one body between identical blocks)."""
+    run = functools.partial(checkpoint, use_reentrant=False)
+    return _SUBGRAPH(run, block, x)
 
 
 class _PerBlock(nn.Module):
     """The blocks in order, each checkpointed by torch (or not, with ``ckpt=False``), each
-    in its own subgraph with ``subgraphs=True``."""
+    through a subgraph with ``subgraphs=True``."""
 
     def __init__(self, blocks: nn.Module, ckpt: bool, subgraphs: bool = False) -> None:
         super().__init__()
         self.blocks, self.ckpt = blocks, ckpt
-        self.calls = [_own_subgraph() if subgraphs else _checkpointed for _ in blocks]
+        self.call = _own_subgraph if subgraphs else _checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block, call in zip(self.blocks, self.calls, strict=True):
-            x = call(block, x) if self.ckpt else block(x)
+        for block in self.blocks:
+            x = self.call(block, x) if self.ckpt else block(x)
         return x
 
 
