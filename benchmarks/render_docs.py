@@ -86,8 +86,10 @@ QUESTIONS = (
         "first stage, each block checkpointed by torch, its step's peak (allocator events, MB) "
         "eager, under `aot_eager` and under inductor, each block in one graph or in a "
         "subgraph of its own (as vision_ckpt compiles a region), and the MB the partition "
-        "saves for backward: whether a compiled backward recomputes the blocks one at a time.",
-        ("compile_matrix", "frontier_compile_b32_cpu", "compile_recompute"),
+        "saves for backward: whether a compiled backward recomputes the blocks one at a time. "
+        "`compile_saves.py`: the tensors compile's partition keeps for backward, by the "
+        "operator that made them (MB at batch 8), at a budget or at one of our levels.",
+        ("compile_matrix", "frontier_compile_b32_cpu", "compile_recompute", "compile_saves"),
         ("frontier_compile_b32",),
     ),
     Question(
@@ -873,6 +875,7 @@ COMPILED_END = "<!-- end of compiled frontier table -->"
 # The compiled variants in the table's order: (variant, its column).
 COMPILED_COLUMNS = (
     ("compile", "compiled L0"),
+    ("cL1", "L1"),
     ("cL2", "L2"),
     ("cL3", "L3"),
     ("cL5", "L5"),
