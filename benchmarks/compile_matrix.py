@@ -1,8 +1,9 @@
 """Compile parity: one tiny timm model per preset family x levels 0-5 under torch.compile.
 
 For each (model, level): ``vision_ckpt.apply_preset(model, level=L)``, one training step eagerly
-and one under ``torch.compile(backend=...)`` on a copy with the same weights, dropout and
-drop-path off (compiled and eager code draw random numbers in a different order), 64 px input.
+and one under ``torch.compile(backend=..., dynamic=False)`` (see docs/compile.md) on a copy with
+the same weights, dropout and drop-path off (compiled and eager code draw random numbers in a
+different order), 64 px input.
 A case passes when the compiled step runs and every gradient is within ``--rtol`` of eager's
 (relative to the largest gradient element of that parameter) and the BatchNorm running stats
 agree. Prints a table level x model and writes ``benchmarks/results/compile_matrix.json``.
@@ -88,7 +89,8 @@ def run_case(name: str, level: int, backend: str, rtol: float) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            got = step(compiled_model, torch.compile(compiled_model, backend=backend), x, y)
+            call = torch.compile(compiled_model, backend=backend, dynamic=False)
+            got = step(compiled_model, call, x, y)
         except Exception as exc:  # noqa: BLE001 - the table reports it
             tb = traceback.format_exc().strip().splitlines()
             return {

@@ -282,7 +282,10 @@ def _note_nested_between_graphs(label: str) -> None:
         "nested-between-graphs",
         f"{label!r} holds checkpointed regions, which torch.compile would recompute in one "
         "piece with it: to keep the plan's memory, such regions run eagerly between compiled "
-        "graphs (graph breaks; gradients exact). (Shown once.)",
+        "graphs (graph breaks; gradients exact). Where the model calls one forward at several "
+        "sizes (the stages of a pyramid), compile with dynamic=False: after a graph break "
+        "dynamo otherwise compiles that forward again with symbolic sizes, which can take "
+        "minutes. (Shown once.)",
     )
 
 
