@@ -31,7 +31,7 @@ import gc
 import json
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,28 @@ def _peak(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
     return max([0, *live])
 
 
+def saved_tensors(fw: torch.fx.GraphModule, num_fwd_outputs: int) -> Iterator[tuple[Any, Any]]:
+    """The nodes and fake values of the tensors a partitioned forward graph saves for backward:
+    its outputs after the step's own (``num_fwd_outputs``, as the partitioner is told)."""
+    for node in list(fw.graph.nodes)[-1].args[0][num_fwd_outputs:]:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            yield node, value
+
+
+def write_results(script: str, args: argparse.Namespace, rows: list[dict]) -> None:
+    """``results.json`` in ``args.out``: the command that reproduces it, the environment, rows."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = f"torch {torch.__version__}, timm {timm.__version__}, {platform.machine()}, 1 thread"
+    command = f"python benchmarks/{script} " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+    )
+    (out / "results.json").write_text(
+        json.dumps({"command": command, "env": meta, "rows": rows}, indent=1) + "\n"
+    )
+
+
 def _saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
     """The bytes of activations AOTAutograd's min-cut partition saves for backward: the
     forward graph's outputs after the first, less the parameters it hands on (graph inputs
@@ -108,13 +130,10 @@ def _saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
 
     def partition(joint: Any, inputs: Any, **kw: Any) -> Any:
         fw, bw = min_cut_rematerialization_partition(joint, inputs, **kw)
-        outputs = list(fw.graph.nodes)[-1].args[0]
-        for node in outputs[1:]:
-            value = node.meta.get("val")
+        for node, value in saved_tensors(fw, kw["num_fwd_outputs"]):
             if node.op == "placeholder" and value.shape != x.shape:
                 continue  # a parameter, alive anyway
-            if isinstance(value, torch.Tensor):
-                saved[0] += value.numel() * value.element_size()
+            saved[0] += value.numel() * value.element_size()
         return fw, bw
 
     def backend(gm: Any, inputs: Any) -> Any:
@@ -183,15 +202,7 @@ def main() -> None:
             row["saved_mb"] = round(saved / 1e6, 1) if name != "eager plain" else None
             rows.append(row)
             print(row, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = f"torch {torch.__version__}, timm {timm.__version__}, {platform.machine()}, 1 thread"
-    command = "python benchmarks/compile_recompute.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-    )
-    (out / "results.json").write_text(
-        json.dumps({"command": command, "env": meta, "rows": rows}, indent=1) + "\n"
-    )
+    write_results("compile_recompute.py", args, rows)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import platform
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,9 @@ import torch
 from torch import nn
 
 import vision_ckpt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compile_recompute import saved_tensors, write_results  # noqa: E402  (a script beside this one)
 
 
 def _saves(model: nn.Module, x: torch.Tensor, budget: float) -> collections.Counter[str]:
@@ -46,11 +48,7 @@ def _saves(model: nn.Module, x: torch.Tensor, budget: float) -> collections.Coun
 
     def partition(joint: Any, inputs: Any, **kw: Any) -> Any:
         fw, bw = min_cut_rematerialization_partition(joint, inputs, **kw)
-        n_out = kw.get("num_fwd_outputs", 1)
-        for node in list(fw.graph.nodes)[-1].args[0][n_out:]:
-            value = node.meta.get("val")
-            if not isinstance(value, torch.Tensor):
-                continue
+        for node, value in saved_tensors(fw, kw["num_fwd_outputs"]):
             if node.op == "placeholder":
                 continue  # a graph input (a parameter or the batch), alive anyway
             target = node.target
@@ -111,15 +109,7 @@ def main() -> None:
                 raise SystemExit(f"unknown variant {variant!r}; allowed: compile@B, cL0-cL5")
             rows.append(_row(model_name, variant, args.batch_size, saved))
             print(rows[-1], flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = f"torch {torch.__version__}, timm {timm.__version__}, {platform.machine()}, 1 thread"
-    command = "python benchmarks/compile_saves.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-    )
-    (out / "results.json").write_text(
-        json.dumps({"command": command, "env": meta, "rows": rows}, indent=1) + "\n"
-    )
+    write_results("compile_saves.py", args, rows)
 
 
 if __name__ == "__main__":
