@@ -878,6 +878,7 @@ COMPILED_COLUMNS = (
     ("cL1", "L1"),
     ("cL2", "L2"),
     ("cL3", "L3"),
+    ("cL4", "L4"),
     ("cL5", "L5"),
     ("compile@0.5", "budget 0.5"),
     ("compile@0.2", "budget 0.2"),
@@ -903,12 +904,19 @@ def compiled_table(data: dict) -> list[str]:
         ref = by.get("compile")
         if ref is None:
             continue
+        keys = _plan_keys(model)
         cells, top = [], None
         for v, _ in COMPILED_COLUMNS:
             r = by.get(v)
+            if v.startswith("cL"):  # levels with one plan: one measurement, the lowest shows it
+                level = int(v[2:])
+                same = [k for k in range(1, 6) if keys[k] == keys[level]]
+                r = next((by[f"cL{k}"] for k in same if f"cL{k}" in by), None)
+                if r is not None and same[0] < level:
+                    cells.append(f"= L{same[0]}")
+                    continue
             if r is None:
-                same = next((k for k in ("cL3", "cL2") if v == "cL5" and k in by), None)
-                cells.append(f"= {same[1:]}" if same else "-")
+                cells.append("-")
                 continue
             cells.append(f"{r['prof_peak_mb']:.0f}, {_against(r, ref):.2f}x")
             if v.startswith("cL"):
@@ -933,7 +941,7 @@ def render_compiled_table() -> str:
             "model, and timm's switch. Each cell: MB above the parameters at the step's peak "
             "by the profiler's allocator events (the only meter that sees inside compiled "
             "kernels), then the step time relative to compiled level 0 in the same rounds. "
-            '"= Lk": the level runs level k\'s plan. Rendered from '
+            '"= Lk": the level runs level k\'s plan; "-": not measured. Rendered from '
             f"[`benchmarks/results/{COMPILED_SOURCE}/results.json`]"
             f"(benchmarks/results/{COMPILED_SOURCE}/results.json), one run per model, each as:",
             "",

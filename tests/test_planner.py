@@ -274,8 +274,9 @@ def _resnet18() -> torch.nn.Module:
 
 
 def test_candidates_are_the_blocks_whole_from_level_2_and_3() -> None:
-    """timm's resnet preset makes layer1-2's blocks whole from level 2 and the later ones from
-    level 3: all of them are the planner's blocks (with the stem run), not the stages."""
+    """timm's resnet preset makes layer1's blocks whole from level 2, layer2's from level 3 and
+    the later ones from level 4: all of them are the planner's blocks (with the stem run), not
+    the stages."""
     model = _resnet18()
     result = plan_for_budget(model, torch.randn(2, 3, 64, 64), "1GiB", batch_size=4)
     blocks = [f"layer{s}.{b}" for s in range(1, 5) for b in range(2)]
@@ -309,7 +310,7 @@ def test_a_lean_mlp_is_neither_a_block_nor_a_part_to_nest() -> None:
 
 def test_candidates_are_a_maxvit_block_not_its_parts() -> None:
     """A MaxViT block holds two attention parts of one class: it is still one block, unlike a
-    stage that holds numbered blocks (ResNet's layer1 from level 3)."""
+    stage that holds numbered blocks (ResNet's layer1 from level 4)."""
     import timm
 
     torch.manual_seed(0)

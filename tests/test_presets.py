@@ -395,19 +395,38 @@ def _strategy_at(p: CheckpointPlan, name: str, level: int) -> str:
     return "-" if rung is None else ("selective" if rung.selective else "full")
 
 
-@pytest.mark.parametrize(
-    ("arch", "dense", "later", "stage"),
-    [
-        ("resnet50", "layer1.0", "layer4.0", "layer4"),
-        ("convnext_atto", "stages.1.blocks.0", "stages.2.blocks.0", "stages.2"),
-    ],
-)
-def test_pyramid_level_2_recomputes_the_high_resolution_blocks(
-    arch: str, dense: str, later: str, stage: str
-) -> None:
-    """Level 2 of ResNet and ConvNeXt: the blocks of the first two stages whole, each later
-    block selective inside its selective stage; level 3 makes every block whole."""
-    p = plan(_meta_timm(arch)(), CheckpointConfig(training_checkpoint_level=2, preset="auto"))
+def test_resnet_level_2_makes_the_first_two_stages_blocks_selective_alone() -> None:
+    """ResNet's level 2: the blocks of layer1-2 selective on their own, redoing their 1x1
+    convs from fewer than 300 channels too, their stages stepping aside; layer3-4 selective as
+    at level 1. Level 3 makes layer1-2's blocks whole and each later block selective inside its
+    selective stage; level 4 makes every block whole."""
+    p = plan(_meta_timm("resnet50")(), CheckpointConfig(training_checkpoint_level=2, preset="auto"))
+    assert [_strategy_at(p, n, 1) for n in ("layer1", "layer1.0", "layer2", "layer4")] == [
+        "selective",
+        "-",
+        "selective",
+        "selective",
+    ]
+    assert [_strategy_at(p, n, 2) for n in ("layer1", "layer1.0", "layer2.3", "layer4")] == [
+        "-",
+        "selective",
+        "selective",
+        "selective",
+    ]
+    assert str(p["layer2.3"].rung_at(2).keep) == "heavy<600" and "layer4.0" not in p.checkpointed
+    assert (
+        _strategy_at(p, "layer2.0", 3) == "full" and _strategy_at(p, "layer4.0", 3) == "selective"
+    )
+    assert _strategy_at(p, "layer4.0", 4) == "full" and _strategy_at(p, "layer4", 4) == "-"
+
+
+def test_convnext_level_2_recomputes_the_high_resolution_blocks() -> None:
+    """ConvNeXt's level 2: the blocks of the first two stages whole, each later block selective
+    inside its selective stage; level 3 makes every block whole."""
+    dense, later, stage = "stages.1.blocks.0", "stages.2.blocks.0", "stages.2"
+    p = plan(
+        _meta_timm("convnext_atto")(), CheckpointConfig(training_checkpoint_level=2, preset="auto")
+    )
     assert p[dense].checkpointed and _strategy_at(p, dense, 2) == "full"
     assert p[later].checkpointed and _strategy_at(p, later, 2) == "selective"
     assert p[stage].checkpointed and _strategy_at(p, stage, 2) == "selective"
@@ -415,23 +434,23 @@ def test_pyramid_level_2_recomputes_the_high_resolution_blocks(
     assert _strategy_at(p, later, 3) == "full" and _strategy_at(p, stage, 3) == "-"
 
 
-def test_bottleneck_resnet_level_2_also_recomputes_two_layer3_blocks() -> None:
-    """In a bottleneck ResNet the first two layer3 blocks are whole from level 2 too, so
+def test_bottleneck_resnet_level_3_also_recomputes_two_layer3_blocks() -> None:
+    """In a bottleneck ResNet the first two layer3 blocks are whole from level 3 too, so
     layer3 steps aside and its other blocks are selective on their own; a basic-block ResNet
     keeps layer3 selective with each block selective inside it."""
-    p = plan(_meta_timm("resnet50")(), CheckpointConfig(training_checkpoint_level=2, preset="auto"))
-    assert [_strategy_at(p, f"layer3.{i}", 2) for i in range(4)] == [
+    p = plan(_meta_timm("resnet50")(), CheckpointConfig(training_checkpoint_level=3, preset="auto"))
+    assert [_strategy_at(p, f"layer3.{i}", 3) for i in range(4)] == [
         "full",
         "full",
         "selective",
         "selective",
     ]
-    assert _strategy_at(p, "layer3", 2) == "-"
+    assert _strategy_at(p, "layer3", 3) == "-"
     p18 = plan(
-        _meta_timm("resnet18")(), CheckpointConfig(training_checkpoint_level=2, preset="auto")
+        _meta_timm("resnet18")(), CheckpointConfig(training_checkpoint_level=3, preset="auto")
     )
-    assert _strategy_at(p18, "layer3", 2) == "selective"
-    assert _strategy_at(p18, "layer3.0", 2) == "selective"
+    assert _strategy_at(p18, "layer3", 3) == "selective"
+    assert _strategy_at(p18, "layer3.0", 3) == "selective"
 
 
 def test_swin_level_3_nests_attention_and_mlp_in_the_first_stage_blocks() -> None:

@@ -125,6 +125,21 @@ def test_a_selective_rung_steps_aside_where_a_full_region_inside_it_starts(scrat
     assert "keep heavy 1-2" in str(at3)
 
 
+def test_a_selective_rung_steps_aside_where_a_region_inside_it_keeps_less(scratch_preset):
+    model, _ = _model("resnet50")
+    fewer = {"ops": "heavy", "below": 600}
+    rules = [
+        {"match": "layer*", "level": 1, "keep": "heavy"},
+        {"match": "layer1.*", "level": 2, "keep": fewer},  # keeps less: layer1 steps aside
+        {"match": "layer2.*", "level": 2, "keep": "heavy"},  # keeps the same: layer2 stays
+    ]
+    at2 = vision_ckpt.plan(model, CheckpointConfig(preset=scratch_preset(rules))).at_level(2)
+    assert not at2["layer1"].checkpointed and at2["layer1"].rung_at(2) is None
+    assert str(at2["layer1.0"].rung_at(2).keep) == "heavy<600"
+    assert at2["layer2"].checkpointed and at2["layer2"].rung_at(2).selective
+    assert "keep heavy 1 only" in str(at2)
+
+
 def test_plan_counts_the_regions_the_forward_checkpoints(
     core_calls, monkeypatch, scratch_preset
 ) -> None:

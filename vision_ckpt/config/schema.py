@@ -260,6 +260,15 @@ class KeepOps(_Schema):
         text = "heavy" if self.ops == "heavy" else "+".join(self.ops)
         return text if self.below is None else f"{text}<{self.below}"
 
+    def keeps_less_than(self, other: KeepOps) -> bool:
+        """Whether this keeps a strict part of what ``other`` keeps: the same operators, but
+        more of them recomputed (a higher ``below``).
+
+        >>> KeepOps(below=600).keeps_less_than(KeepOps()), KeepOps().keeps_less_than(KeepOps())
+        (True, False)
+        """
+        return self.ops == other.ops and (self.below or 0) > (other.below or 0)
+
 
 def _keep_value(value: object) -> object:
     if isinstance(value, str):

@@ -336,24 +336,25 @@ def _entry(name: str, class_name: str, ways: dict[Region | str, _Way]) -> PlanEn
 
 
 def _step_aside(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:
-    """Give every selective rung its ``until``: the lowest full rung inside its module (see
-    NOTE [ Selective regions step aside ] in wrapper.py)."""
+    """Give every selective rung its ``until``: the lowest rung inside its module that keeps
+    less (see NOTE [ Selective regions step aside ] in wrapper.py)."""
     out = []
     for e in entries:
         if any(r.selective for r in e.rungs):
-            inner = [
-                r.level
-                for o in entries
-                if is_ancestor(e.name, o.name)
-                for r in o.rungs
-                if not r.selective
-            ]
-            until = min(inner, default=None)
-            if until is not None:
-                rungs = tuple(replace(r, until=Level(until)) if r.selective else r for r in e.rungs)
-                e = replace(e, rungs=rungs)
+            inner = [r for o in entries if is_ancestor(e.name, o.name) for r in o.rungs]
+            e = replace(e, rungs=tuple(_until_less_is_kept(r, inner) for r in e.rungs))
         out.append(e)
     return tuple(out)
+
+
+def _until_less_is_kept(rung: Rung, inner: list[Rung]) -> Rung:
+    """``rung`` ending where one of the ``inner`` rungs keeps less than it: keeps nothing, or
+    redoes more of the same operators."""
+    if rung.keep is None:
+        return rung
+    outer = rung.keep
+    less = [r.level for r in inner if r.keep is None or r.keep.keeps_less_than(outer)]
+    return rung if not less else replace(rung, until=Level(min(less)))
 
 
 # NOTE [ Runs take over ]

@@ -420,12 +420,14 @@ class ActivationCheckpointing(nn.Module):
 # NOTE [ Selective regions step aside ]
 #
 # A selective region keeps the outputs of the heavy operators that run inside it, through a
-# dispatch mode active during its whole forward, nested regions included. A fully checkpointed
-# region inside it would therefore still have its convolution and matmul outputs kept by the
-# outer region, and free almost nothing. So a selective rung stops applying (``Rung.until``) at
-# the lowest training level at which a full region inside its module is checkpointed; from that
-# level on the module runs plainly, or by a higher rung of its own. ``apply`` computes ``until``
-# from the plan, and ``plan()`` shows the same decision.
+# dispatch mode active during its whole forward, nested regions included. A region inside it
+# that keeps less (a full one, or a selective one that redoes more of the same operators: a
+# higher ``below``) would therefore still have the outputs it means to redo kept by the outer
+# region, and free almost nothing. So a selective rung stops applying (``Rung.until``) at the
+# lowest training level at which a region inside its module that keeps less is checkpointed;
+# from that level on the module runs plainly, or by a higher rung of its own. An inner region
+# that keeps the same (a selective block in its selective stage) leaves the outer one in place.
+# ``apply`` computes ``until`` from the plan, and ``plan()`` shows the same decision.
 
 
 @dataclass(frozen=True)
@@ -447,7 +449,7 @@ class Rung:
     """Passed to the core (what a region that keeps operator outputs keeps), or ``None``."""
     until: Level | None = None
     """The rung stops applying at this training level: one that keeps operator outputs where a
-    region inside it that keeps nothing starts (NOTE [ Selective regions step aside ]), a later
+    region inside it that keeps less starts (NOTE [ Selective regions step aside ]), a later
     member's of a run where the run starts (NOTE [ Runs take over ] in ``_planning.py``); ``None``:
     it applies at every level from ``level`` on."""
 
