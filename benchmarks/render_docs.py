@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -780,9 +781,11 @@ README_COMMAND = (
 )
 
 
-def _plan_keys(model_name: str) -> list[tuple]:
+@functools.cache
+def _plan_keys(model_name: str) -> tuple[tuple, ...]:
     """For levels 0-5 of the model's preset today: what the level does (its regions with their
-    strategies, and its lean MLPs), so that levels with one plan compare equal."""
+    strategies, and its lean MLPs), so that levels with one plan compare equal. Cached: the
+    eager and the compiled frontier tables ask for the same models."""
     import timm
     import torch
 
@@ -800,7 +803,7 @@ def _plan_keys(model_name: str) -> list[tuple]:
                 *(e.name for e in p.entries if e.lean_at(level)),
             )
         )
-    return keys
+    return tuple(keys)
 
 
 def render_readme_table() -> str:
