@@ -161,3 +161,6 @@ def traced_top() -> tuple[int, bool] | None:
 # taken from them depend only on the model's structure and the training level, which dynamo
 # guards where the outermost region reads it. A trace that dynamo abandons half way can leave
 # entries behind, so the outermost region empties the stack first; eager code never reads it.
+# The stack holds plain ints, and the traced code that reads it turns one into a Level by
+# indexing a tuple of the members, never by calling Level(...): dynamo in 2.11 cannot trace an
+# enum's constructor and fails the whole compile (InternalTorchDynamoError).

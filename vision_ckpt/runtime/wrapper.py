@@ -289,13 +289,19 @@ def _note_nested_between_graphs(label: str) -> None:
     )
 
 
+# Each level by its value, for code dynamo traces: an enum's constructor is Python that some
+# releases (2.11) cannot trace (NOTE [ The training level under torch.compile ]).
+_LEVELS: tuple[Level, ...] = tuple(Level)
+assert all(level.value == i for i, level in enumerate(_LEVELS))
+
+
 def _innermost() -> tuple[Level | None, bool]:
     """The level and group of the innermost running region (``None`` and ``False`` outside
     every region): while torch.compile traces, from the trace's own stack (NOTE [ The training
     level under torch.compile ])."""
     if _core.compiling():
         top = _traced.traced_top()
-        return (None, False) if top is None else (Level(top[0]), top[1])
+        return (None, False) if top is None else (_LEVELS[top[0]], top[1])
     return _region.level, _region.group
 
 
