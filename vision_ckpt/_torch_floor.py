@@ -1,7 +1,8 @@
 """The oldest torch vision_ckpt supports, checked when the package is imported.
 
 :data:`MIN_TORCH` is the release CI tests the contract on (``.ci/run``, in an environment built
-from ``.ci/floor-constraints.txt``); the newest release is tested by the default install. What
+from ``.ci/floor-constraints.txt``); the newest release is tested by the default install, and
+the compile tests also run on a release between (``.ci/middle-constraints.txt``). What
 differs between the supported releases is detected in one module, ``vision_ckpt._compat``,
 which lists each such entry point with the release it is native from and the fallback used
 before it.
