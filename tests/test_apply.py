@@ -672,3 +672,65 @@ def test_a_region_holding_one_segmented_stack_is_a_group():
     for nesting in ("auto", "outermost"):
         cfg = {"training_checkpoint_level": 5, "rules": rules, "nesting": nesting}
         assert plan(model, cfg).checkpointed == ("trunk", "trunk.0")
+
+
+class _Deep(nn.Module):
+    """A stack of units with dropout between them, then ``tail`` units outside it."""
+
+    def __init__(self, tail: int = 2, width: int = 64) -> None:
+        super().__init__()
+        self.stack = nn.Sequential(*(m for _ in range(4) for m in (_Unit(width), nn.Dropout(0.1))))
+        self.tail = nn.Sequential(*(_Unit(width) for _ in range(tail)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(self.stack(x))
+
+
+# the stack's units regions of their own, the stack one region from level 2, in segments from 3
+_DEEP_RULES = [
+    {"match": "stack.*", "match_type": "_Unit", "level": 1},
+    {"match": "stack", "level": 2},
+    {"match": "stack", "level": 3, "segments": 4},
+]
+
+
+@pytest.mark.parametrize("nesting", ["auto", "outermost"])
+def test_segments_of_a_stack_that_is_a_region_run_inside_it(nesting, core_calls):
+    model, x = _Deep(), torch.randn(256, 64)
+    cfg = {"training_checkpoint_level": 3, "rules": _DEEP_RULES, "nesting": nesting}
+    (entry,) = [e for e in plan(model, cfg).entries if e.name == "stack"]
+    assert [str(r) for r in entry.rungs] == ["full 2", "full in segments/4 3"]
+    apply(model, cfg)
+    core_calls.clear()
+    model(x).sum().backward()
+    labels = set(core_calls.labels)
+    remove(model)
+    # the stack's region, its segments inside it (groups: nested in every mode), their units
+    assert {"stack", "stack[0:4]", "stack[4:8]", "stack.0", "stack.6"} <= labels
+
+
+@pytest.mark.parametrize(("tail", "worse"), [(0, "whole"), (2, "sibling")])
+def test_segments_inside_a_stack_keep_less_than_the_stack_or_sibling_segments(
+    tail, worse, assert_exact, exact_step
+):
+    from vision_ckpt.measure import step_memory
+
+    torch.manual_seed(0)
+    model, x = _Deep(tail), torch.randn(2048, 64)  # activations well above the gradients
+    reference = exact_step(copy.deepcopy(model), x)
+    sibling = [_DEEP_RULES[0], _DEEP_RULES[2]]  # no region of the whole stack: segments alone
+    peaks = {}
+    for name, level, rules in (
+        ("whole", 2, _DEEP_RULES),
+        ("inside", 3, _DEEP_RULES),
+        ("sibling", 3, sibling),
+    ):
+        applied = copy.deepcopy(model)
+        apply(applied, {"training_checkpoint_level": level, "rules": rules})
+        assert_exact(exact_step(applied, x), reference, name)  # dropout replayed, bit for bit
+        peaks[name] = step_memory(applied, x, fake=False).peak
+    # Inside the stack's region its recomputation holds one segment's unit inputs at a time
+    # (the peak without a tail); while a tail runs backward only the stack's input is kept,
+    # not each segment's (the peak with one).
+    assert peaks["inside"] < peaks[worse], peaks
+    assert peaks["inside"] == min(peaks.values()), peaks

@@ -118,7 +118,11 @@ def plan(model: nn.Module, config: ConfigLike) -> CheckpointPlan:
         _runs_take_over(
             model,
             _step_aside(
-                tuple(_entry(n, class_names[n][0], decided[n]) for n, _ in modules if n in decided)
+                tuple(
+                    _segments_inside(m, _entry(n, class_names[n][0], decided[n]))
+                    for n, m in modules
+                    if n in decided
+                )
             ),
         )
     )
@@ -333,6 +337,24 @@ def _entry(name: str, class_name: str, ways: dict[Region | str, _Way]) -> PlanEn
         origin="; ".join(dict.fromkeys(w.origin for w in used)),
         rungs=rungs,
     )
+
+
+def _segments_inside(module: nn.Module, entry: PlanEntry) -> PlanEntry:
+    """``entry`` (of ``module``) with every segments rung whose rung below is a plain full one
+    marked ``inside``: the stack stays that region, its segments nested in it (NOTE [ Segments
+    inside their stack's region ] in wrapper.py). Segments that make one group of the whole
+    stack are that region already."""
+    rungs = list(entry.rungs)
+    for i in range(1, len(rungs)):
+        below, rung = rungs[i - 1], rungs[i]
+        if (
+            rung.segments is not None
+            and rung.through is None
+            and below.region == Region()
+            and segment_size(rung, len(module)) < len(module)
+        ):
+            rungs[i] = replace(rung, inside=True)
+    return replace(entry, rungs=tuple(rungs))
 
 
 def _step_aside(entries: tuple[PlanEntry, ...]) -> tuple[PlanEntry, ...]:

@@ -458,6 +458,10 @@ class Rung:
     region inside it that keeps less starts (NOTE [ Selective regions step aside ]), a later
     member's of a run where the run starts (NOTE [ Runs take over ] in ``_planning.py``); ``None``:
     it applies at every level from ``level`` on."""
+    inside: bool = False
+    """Set by ``plan()`` on a rung with ``segments`` of a stack that is a full region from a
+    lower level: the segments run inside one region of the whole stack instead of replacing it
+    (NOTE [ Segments inside their stack's region ])."""
 
     @property
     def keep(self) -> KeepOps | None:
@@ -498,8 +502,8 @@ class Rung:
     @property
     def what(self) -> str:
         """The region in words, without its levels: ``full``, ``keep heavy<40``, ``full through
-        maxpool``, ``segments/2``, ``offload``."""
-        return str(self.region)
+        maxpool``, ``segments/2``, ``full in segments/2``, ``offload``."""
+        return f"full in {self.region}" if self.inside else str(self.region)
 
     def __str__(self) -> str:
         text = self.what
@@ -815,17 +819,41 @@ def run_segments(
     policy: Policy, stack: nn.Module, whole: Callable[..., Any], label: str, x: Any
 ) -> Any:
     """Run an ``nn.Sequential`` ``stack`` on ``x`` as ``policy`` decides: a segmented rung runs
-    its layers as consecutive groups, each checkpointed as one group region; any other rung
-    runs ``whole`` (the stack's forward) as :func:`run_policy` does."""
+    its layers as consecutive groups, each checkpointed as one group region, inside one region
+    of the whole stack where the rung says so (``Rung.inside``); any other rung runs ``whole``
+    (the stack's forward) as :func:`run_policy` does."""
     rung = choose_rung(policy)
     if rung is None or rung.segments is None:
         return run_policy(policy, whole, (x,), {}, module=stack, label=label)
+    if rung.inside:  # NOTE [ Segments inside their stack's region ]
+        segmented = functools.partial(_in_segments, policy, stack, rung, label)
+        return run_policy(policy, segmented, (x,), {}, module=stack, label=label)
+    return _in_segments(policy, stack, rung, label, x)
+
+
+# NOTE [ Segments inside their stack's region ]
+#
+# A stack that is a full region from one level and is split into segments from a higher one
+# stays one region at the higher level, with its segments nested inside it (``Rung.inside``,
+# set by the plan), rather than the segments replacing it. So the layers after the stack still
+# run backward with only the stack's input kept, as at the level below, where sibling segments
+# would keep every segment's input. Inside the stack's own backward the segments bound what its
+# recomputation holds: the segments' inputs and one segment's layer inputs at a time, instead
+# of every layer's input. The price is one more forward of every segment. Segments are groups
+# (NOTE [ Nesting ]), so their layers' regions stay checkpointed inside them in every nesting
+# mode.
+
+
+def _in_segments(policy: Policy, stack: nn.Module, rung: Rung, label: str, x: Any) -> Any:
+    """The layers of ``stack`` on ``x``, each group of ``rung``'s segment size one group
+    region."""
     layers = list(stack)
     size = segment_size(rung, len(layers))
     ambient = _ambient_level()
     for start in range(0, len(layers), size):
+        part = layers[start : start + size]
         part_label = f"{label}[{start}:{start + size}]"
-        region = _RunAtLevel(_Segment(layers[start : start + size]), ambient, True)
+        region = _RunAtLevel(_Segment(part), ambient, True)
         options = dict(
             module=stack,
             label=part_label,
