@@ -1103,6 +1103,8 @@ def _describe(entry: Any, level: int) -> str:
         elif rung.segments is not None:
             size = "about sqrt(n)" if rung.segments == "auto" else str(rung.segments)
             text = f"groups of {size} layers"
+            if rung.inside:
+                text = f"full, recomputing nested {text}"
         else:
             keep = rung.keep
             text = "full" if keep is None else "selective"

@@ -14,7 +14,7 @@ the masks can be compared (tests/test_strategies.py, tests/test_core.py).
 
 The full 36 cases took 200 s on one thread of the shared CI machine (``pytest -m "slow or not
 slow" tests/test_compile_matrix.py --durations=0``: 2-14 s a case, Swin the slowest); the
-default suite runs a subset of 6 that covers every family and every level at least once, and
+default suite runs a subset of 7 that covers every family and every level at least once, and
 ``benchmarks/compile_matrix.py`` runs the issue's own models (64 px, full depth).
 """
 
@@ -35,7 +35,7 @@ import vision_ckpt
 
 # Tiny configs of one model per preset family (dropout and drop-path off, see above).
 FAMILIES: dict[str, tuple[str, dict, int]] = {
-    "resnet": ("resnet18", {}, 32),
+    "resnet": ("resnet18", {"layers": (3, 1, 1, 1)}, 32),  # level 5: layer1 in 2 segments
     "vit": ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2}, 32),
     "convnext": ("convnext_atto", {"depths": (1, 1, 1, 1), "drop_path_rate": 0.0}, 32),
     "efficientnet": ("test_efficientnet", {"drop_path_rate": 0.0}, 32),
@@ -58,6 +58,7 @@ LEVELS = range(6)
 # test_compiled_vit_level_5_runs_its_lean_mlps_and_warns_about_its_runs); the rest is slow.
 DEFAULT = {
     ("resnet", 1),
+    ("resnet", 5),
     ("vit", 0),
     ("convnext", 2),
     ("efficientnet", 3),

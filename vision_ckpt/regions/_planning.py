@@ -343,17 +343,16 @@ def _segments_inside(module: nn.Module, entry: PlanEntry) -> PlanEntry:
     """``entry`` (of ``module``) with every segments rung whose rung below is a plain full one
     marked ``inside``: the stack stays that region, its segments nested in it (NOTE [ Segments
     inside their stack's region ] in wrapper.py). Segments that make one group of the whole
-    stack are that region already."""
-    rungs = list(entry.rungs)
-    for i in range(1, len(rungs)):
-        below, rung = rungs[i - 1], rungs[i]
-        if (
-            rung.segments is not None
-            and rung.through is None
-            and below.region == Region()
-            and segment_size(rung, len(module)) < len(module)
-        ):
-            rungs[i] = replace(rung, inside=True)
+    stack would be that region again, so their rung is dropped and the one below goes on."""
+    rungs: list[Rung] = []
+    for rung in entry.rungs:
+        below = rungs[-1] if rungs else None
+        if below is None or rung.segments is None or rung.through is not None:
+            rungs.append(rung)
+        elif below.region != Region():
+            rungs.append(rung)
+        elif segment_size(rung, len(module)) < len(module):
+            rungs.append(replace(rung, inside=True))
     return replace(entry, rungs=tuple(rungs))
 
 
