@@ -709,6 +709,19 @@ def test_segments_of_a_stack_that_is_a_region_run_inside_it(nesting, core_calls)
     assert {"stack", "stack[0:4]", "stack[4:8]", "stack.0", "stack.6"} <= labels
 
 
+def test_a_stack_whose_segments_run_inside_it_holds_regions_at_their_level():
+    # Under torch.compile such a region runs between graphs (NOTE [ Nested regions under
+    # torch.compile ]) even when the stack's layers are no regions of their own.
+    model = nn.Sequential()
+    model.add_module("stack", nn.Sequential(*(nn.Linear(8, 8) for _ in range(4))))
+    rules = [{"match": "stack", "level": 2}, {"match": "stack", "level": 3, "segments": 2}]
+    (entry,) = plan(model, {"training_checkpoint_level": 3, "rules": rules}).entries
+    assert entry.nests_full == frozenset({3, 4, 5})
+    one_group = [rules[0], {"match": "stack", "level": 3, "segments": 4}]
+    (entry,) = plan(model, {"training_checkpoint_level": 3, "rules": one_group}).entries
+    assert [str(r) for r in entry.rungs] == ["full 2"] and not entry.nests_full
+
+
 @pytest.mark.parametrize(("tail", "worse"), [(0, "whole"), (2, "sibling")])
 def test_segments_inside_a_stack_keep_less_than_the_stack_or_sibling_segments(
     tail, worse, assert_exact, exact_step

@@ -134,6 +134,26 @@ def test_batchnorm_running_stats_match_after_compiled_steps() -> None:
     compiled_matches_eager("resnet", 2, steps=2)
 
 
+def test_compiled_segments_inside_a_stack_match_eager() -> None:
+    """A stack recomputed in segments inside its own region, its layers no regions of their
+    own: under compile the region runs between graphs, with the same gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(16, 16), nn.GELU()))),
+        nn.Linear(16, 5),
+    )
+    rules = [{"match": "0", "level": 2}, {"match": "0", "level": 3, "segments": 4}]
+    eager, compiled = model, copy.deepcopy(model)
+    for m in (eager, compiled):
+        vision_ckpt.apply(m, {"training_checkpoint_level": 3, "rules": rules})
+    torch._dynamo.reset()
+    call = torch.compile(compiled, backend="aot_eager")
+    x, y = torch.randn(4, 16), torch.tensor([0, 1, 2, 3])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="'0' holds checkpointed regions")
+        assert_close(step(compiled, call, x, y), step(eager, eager, x, y))
+
+
 def _subgraph_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
     return [
         getattr(gm, n.args[0].target)

@@ -441,8 +441,8 @@ def _nests_full(
     model: nn.Module, entries: tuple[PlanEntry, ...], nesting: str
 ) -> tuple[PlanEntry, ...]:
     """Give every entry the training levels at which it is a full region with a fully
-    checkpointed region inside it (inside its module, or inside a member of its run), as
-    :func:`decide` decides at each level."""
+    checkpointed region inside it (inside its module, or inside a member of its run, or one of
+    its own segments), as :func:`decide` decides at each level."""
     nests: dict[str, set[int]] = {}
     for level in range(1, 6):
         on = {
@@ -454,7 +454,7 @@ def _nests_full(
             spans = [name]
             if rung.through is not None:
                 spans = run_members(model, name, rung.through, f"the run {name!r}")
-            if any(
+            if rung.inside or any(
                 other != name and any(other == s or is_ancestor(s, other) for s in spans)
                 for other in on
             ):
