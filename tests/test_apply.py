@@ -694,7 +694,7 @@ _DEEP_RULES = [
 ]
 
 
-@pytest.mark.parametrize("nesting", ["auto", "outermost"])
+@pytest.mark.parametrize("nesting", ["auto", "all", "outermost"])
 def test_segments_of_a_stack_that_is_a_region_run_inside_it(nesting, core_calls):
     model, x = _Deep(), torch.randn(256, 64)
     cfg = {"training_checkpoint_level": 3, "rules": _DEEP_RULES, "nesting": nesting}
@@ -720,6 +720,13 @@ def test_a_stack_whose_segments_run_inside_it_holds_regions_at_their_level():
     one_group = [rules[0], {"match": "stack", "level": 3, "segments": 4}]
     (entry,) = plan(model, {"training_checkpoint_level": 3, "rules": one_group}).entries
     assert [str(r) for r in entry.rungs] == ["full 2"] and not entry.nests_full
+    finer = [*rules, {"match": "stack", "level": 4, "segments": 1}]  # still inside the region
+    (entry,) = plan(model, {"training_checkpoint_level": 3, "rules": finer}).entries
+    assert [str(r) for r in entry.rungs] == [
+        "full 2",
+        "full in segments/2 3",
+        "full in segments/1 4",
+    ]
 
 
 @pytest.mark.parametrize(("tail", "worse"), [(0, "whole"), (2, "sibling")])

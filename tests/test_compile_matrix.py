@@ -152,6 +152,13 @@ def test_compiled_segments_inside_a_stack_match_eager() -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="'0' holds checkpointed regions")
         assert_close(step(compiled, call, x, y), step(eager, eager, x, y))
+        graphs = {}
+        for level in (2, 3):  # the stack's region alone compiles into the graph
+            vision_ckpt.apply(compiled, {"training_checkpoint_level": level, "rules": rules})
+            torch._dynamo.reset()
+            e = torch._dynamo.explain(compiled)(x)
+            graphs[level] = (e.graph_count, e.graph_break_count)
+    assert graphs[2] == (1, 0) and graphs[3] != (1, 0), graphs
 
 
 def _subgraph_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:

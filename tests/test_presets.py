@@ -453,6 +453,18 @@ def test_bottleneck_resnet_level_3_also_recomputes_two_layer3_blocks() -> None:
     assert _strategy_at(p18, "layer3.0", 3) == "selective"
 
 
+def test_resnet_level_5_recomputes_layer1_in_segments_inside_its_region() -> None:
+    """Level 5 keeps layer1 one region and recomputes its three blocks in segments of two
+    inside it; a two-block layer1 (ResNet-18) would make one segment of the whole stage, which
+    adds nothing, so there level 5 keeps level 4's layer1."""
+    for name, rungs in (
+        ("resnet50", ["keep heavy 1 only", "full 4", "full in segments/2 5"]),
+        ("resnet18", ["keep heavy 1 only", "full 4"]),
+    ):
+        p = plan(_meta_timm(name)(), CheckpointConfig(training_checkpoint_level=5, preset="auto"))
+        assert [str(r) for r in p["layer1"].rungs] == rungs, name
+
+
 def test_swin_level_3_nests_attention_and_mlp_in_the_first_stage_blocks() -> None:
     """Swin: level 2 makes the first two stages' blocks whole and keeps the later ones
     selective; level 3 nests the attention and MLP of the first stage's blocks (a block

@@ -320,7 +320,8 @@ class Region:
     span is recomputed whole); else the outputs of some operators."""
     segments: int | Literal["auto"] | None = None
     """Span: for a stack of layers, consecutive groups of this many layers (``auto``: about
-    sqrt(n)) instead of the whole stack."""
+    sqrt(n)) instead of the whole stack, or nested inside it where the stack is a full region
+    at a lower level (``Rung.inside``)."""
     through: str | None = None
     """Span: the last of a run of sibling modules recomputed with this one as one region;
     ``None``: the module alone."""
@@ -397,8 +398,10 @@ class LevelRule(_Schema):
 
     segments: Literal["auto"] | Annotated[int, Field(ge=1)] | None = None
     """Span: for an ``nn.Sequential`` (a stack of layers), consecutive groups of its layers,
-    each one region, instead of the whole stack. ``auto`` makes groups of about sqrt(n) of its
-    n layers; an integer k makes groups of k. The module tree is unchanged. On an
+    each one region, instead of the whole stack; where a lower level makes the stack a full
+    region, it stays one and the groups run nested inside it. ``auto`` makes groups of about
+    sqrt(n) of its n layers; an integer k makes groups of k (one group of the whole stack adds
+    nothing to a full region below it and is dropped). The module tree is unchanged. On an
     ``nn.ModuleList`` whose layers the parent calls one after another (BEiT, EVA), each group
     is a run of those calls (as ``through`` makes one), with its layers' own levels still
     applying inside it."""

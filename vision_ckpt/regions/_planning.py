@@ -340,13 +340,14 @@ def _entry(name: str, class_name: str, ways: dict[Region | str, _Way]) -> PlanEn
 
 
 def _segments_inside(module: nn.Module, entry: PlanEntry) -> PlanEntry:
-    """``entry`` (of ``module``) with every segments rung whose rung below is a plain full one
-    marked ``inside``: the stack stays that region, its segments nested in it (NOTE [ Segments
-    inside their stack's region ] in wrapper.py). Segments that make one group of the whole
-    stack would be that region again, so their rung is dropped and the one below goes on."""
+    """``entry`` (of ``module``) with every segments rung above a plain full one (other segments
+    inside it between them) marked ``inside``: the stack stays that region, its segments nested
+    in it (NOTE [ Segments inside their stack's region ] in wrapper.py). Segments that make one
+    group of the whole stack would be that region again, so their rung is dropped and the one
+    below goes on."""
     rungs: list[Rung] = []
     for rung in entry.rungs:
-        below = rungs[-1] if rungs else None
+        below = next((r for r in reversed(rungs) if not r.inside), None)
         if below is None or rung.segments is None or rung.through is not None:
             rungs.append(rung)
         elif below.region != Region():

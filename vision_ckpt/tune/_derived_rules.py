@@ -182,7 +182,9 @@ def lean_outside_runs(regions: CandidateRegions, rules: Sequence[LevelRule]) -> 
 
 
 # a unit recomputed whole, or its inner regions (NOTE [ Inner regions alone ] in _level_search): a
-# group over such units recomputes their forward as nested ones would
+# group over such units recomputes their forward as nested ones would (a stack that is a full
+# region below the groups' level stays one around them: one forward more, which the level's
+# measured time shows and the groups' acceptance, by peak, does not weigh)
 RECOMPUTED = ("full", "nested", "inner")
 
 
