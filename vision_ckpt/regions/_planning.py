@@ -348,9 +348,8 @@ def _segments_inside(module: nn.Module, entry: PlanEntry) -> PlanEntry:
     rungs: list[Rung] = []
     for rung in entry.rungs:
         below = next((r for r in reversed(rungs) if not r.inside), None)
-        if below is None or rung.segments is None or rung.through is not None:
-            rungs.append(rung)
-        elif below.region != Region():
+        stack_segments = rung.segments is not None and rung.through is None  # not a group run
+        if not stack_segments or below is None or below.region != Region():
             rungs.append(rung)
         elif segment_size(rung, len(module)) < len(module):
             rungs.append(replace(rung, inside=True))

@@ -851,9 +851,8 @@ def _in_segments(policy: Policy, stack: nn.Module, rung: Rung, label: str, x: An
     size = segment_size(rung, len(layers))
     ambient = _ambient_level()
     for start in range(0, len(layers), size):
-        part = layers[start : start + size]
         part_label = f"{label}[{start}:{start + size}]"
-        region = _RunAtLevel(_Segment(part), ambient, True)
+        region = _RunAtLevel(_Segment(layers[start : start + size]), ambient, True)
         options = dict(
             module=stack,
             label=part_label,
